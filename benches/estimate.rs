@@ -1,0 +1,108 @@
+//! How long a pre-flight estimate takes: the budget is under 1 ms for a 100 KB chat prompt,
+//! since every request pays it before being forwarded. Kept short (3 s per case) so the whole
+//! bench finishes in well under 30 s.
+
+use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
+use serde_json::{json, Value};
+use std::time::Duration;
+use tollgate::estimate::{estimate, warm_up, Endpoint, Tokenizer};
+
+const WORDS: &[&str] = &[
+    "the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", "was", "with", "be",
+    "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have",
+    "an", "had", "they", "you", "were", "their", "one", "all", "we", "can", "her", "has", "there",
+    "been", "if", "more", "when", "will", "would", "who", "so", "no", "budget", "request",
+    "latency", "throughput", "configuration", "deployment", "customer", "invoice", "quarterly",
+    "revenue", "analysis", "summarize", "following", "document", "important", "however",
+    "therefore", "approximately", "kubernetes", "database", "migration", "performance",
+    "January", "London", "Paris", "OpenAI", "API", "JSON", "HTTP", "2024", "42", "3.14",
+    "don't", "it's", "we'll", "e-mail", "co-operate", "well-known", "re-evaluate",
+];
+
+/// Deterministic English-like prose of exactly `bytes` bytes (ASCII): sentences of 6–20
+/// words with capitals, commas, full stops and paragraph breaks.
+fn prose(bytes: usize, seed: u64) -> String {
+    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut next = move || {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (state >> 33) as usize
+    };
+    let mut out = String::with_capacity(bytes + 32);
+    while out.len() < bytes {
+        let len = 6 + next() % 15;
+        for i in 0..len {
+            let w = WORDS[next() % WORDS.len()];
+            if i == 0 {
+                let mut c = w.chars();
+                if let Some(f) = c.next() {
+                    out.extend(f.to_uppercase());
+                    out.push_str(c.as_str());
+                }
+            } else {
+                out.push(' ');
+                out.push_str(w);
+            }
+            if i + 1 < len && next() % 9 == 0 {
+                out.push(',');
+            }
+        }
+        out.push_str(if next() % 7 == 0 { ".\n\n" } else { ". " });
+    }
+    out.truncate(bytes);
+    out
+}
+
+/// A chat body whose message contents add up to `bytes`: system, user, assistant, user.
+fn chat_body(bytes: usize) -> Value {
+    let sys = bytes / 20;
+    let user1 = bytes / 2;
+    let asst = bytes / 5;
+    let user2 = bytes - sys - user1 - asst;
+    json!({
+        "model": "gpt-4o",
+        "max_completion_tokens": 1024,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+        "messages": [
+            {"role": "system", "content": prose(sys, 1)},
+            {"role": "user", "content": prose(user1, 2)},
+            {"role": "assistant", "content": prose(asst, 3)},
+            {"role": "user", "content": [{"type": "text", "text": prose(user2, 4)}]},
+        ]
+    })
+}
+
+fn bench(c: &mut Criterion) {
+    warm_up();
+    let big = chat_body(100 * 1024);
+    let small = json!({
+        "model": "gpt-4o-mini",
+        "messages": [
+            {"role": "system", "content": "You are a terse assistant."},
+            {"role": "user", "content": prose(200 - 26, 5)},
+        ]
+    });
+
+    let mut g = c.benchmark_group("chat_100KB");
+    g.throughput(Throughput::Bytes(100 * 1024));
+    for (name, tok) in [("o200k", Tokenizer::O200k), ("cl100k", Tokenizer::Cl100k), ("chars", Tokenizer::Chars)] {
+        g.bench_function(name, |b| b.iter(|| estimate(Endpoint::Chat, black_box(&big), tok)));
+    }
+    g.finish();
+
+    let mut g = c.benchmark_group("chat_200B");
+    for (name, tok) in [("o200k", Tokenizer::O200k), ("cl100k", Tokenizer::Cl100k)] {
+        g.bench_function(name, |b| b.iter(|| estimate(Endpoint::Chat, black_box(&small), tok)));
+    }
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3))
+        .sample_size(50);
+    targets = bench
+}
+criterion_main!(benches);

@@ -1,0 +1,102 @@
+//! Turning text into a token count.
+//!
+//! Every estimate bottoms out here: a string and a [`Tokenizer`] in, a token count out. The BPE
+//! tokenizers come from `bpe-openai`, which is linear-time and matches tiktoken's
+//! `encode_ordinary` exactly (special-token text such as `<|endoftext|>` is counted as plain
+//! text). Its tokenizer tables live in `std::sync::LazyLock` statics inside that crate, so each
+//! one is built at most once per process, on first use; [`warm_up`] moves that one-off cost
+//! (tens of milliseconds) from the first request to start-up.
+
+use crate::policy::Tokenizer;
+use bpe_openai::{cl100k_base, o200k_base};
+
+/// Characters per token assumed by [`Tokenizer::Chars`] and by the JSON-length fallback.
+pub const CHARS_PER_TOKEN: u64 = 4;
+
+/// Number of tokens `s` encodes to under `tok`.
+///
+/// * `O200k` / `Cl100k`: the exact tiktoken count for `o200k_base` / `cl100k_base`.
+/// * `Chars`: `ceil(chars / 4)`, where `chars` counts Unicode scalar values. The usual rule of
+///   thumb for English; for models whose tokenizer we do not ship. It under-counts CJK and
+///   other scripts that take more than one token per character.
+pub fn count_text(tok: Tokenizer, s: &str) -> u64 {
+    if s.is_empty() {
+        return 0;
+    }
+    match tok {
+        Tokenizer::O200k => to_u64(o200k_base().count(s)),
+        Tokenizer::Cl100k => to_u64(cl100k_base().count(s)),
+        Tokenizer::Chars => chars_to_tokens(to_u64(s.chars().count())),
+    }
+}
+
+/// Number of tokens in response text, for when a provider reports no `usage` (an interrupted
+/// stream, a provider that omits it). The same count as [`count_text`]; a separate name so call
+/// sites say which side of the exchange they are pricing.
+pub fn count_output_text(tok: Tokenizer, s: &str) -> u64 {
+    count_text(tok, s)
+}
+
+/// Builds both BPE tokenizers now instead of on the first request that needs them.
+/// Idempotent and cheap after the first call.
+pub fn warm_up() {
+    warm_up_for(Tokenizer::O200k);
+    warm_up_for(Tokenizer::Cl100k);
+}
+
+/// Builds only the tokenizer `tok` needs (nothing for `Chars`); for a sidecar whose policy
+/// names a single tokenizer and wants to spare the memory of the other.
+pub fn warm_up_for(tok: Tokenizer) {
+    // Dereferencing the LazyLock inside `*_base()` forces construction; counting a short
+    // string also touches the pre-tokenizer regex so its lazy caches are populated.
+    let _ = count_text(tok, "warm up");
+}
+
+/// `ceil(chars / 4)`.
+pub(crate) fn chars_to_tokens(chars: u64) -> u64 {
+    chars.div_ceil(CHARS_PER_TOKEN)
+}
+
+/// Conservative token count for a JSON value we do not understand (audio, files, unknown
+/// parts): the length of its compact serialization in characters, divided by four, rounded up.
+pub(crate) fn json_fallback_tokens(v: &serde_json::Value) -> u64 {
+    chars_to_tokens(json_chars(v))
+}
+
+/// Tokens of the compact JSON serialization of `v` under `tok` (for schema fragments that are
+/// rendered into the prompt more or less verbatim).
+pub(crate) fn json_tokens(tok: Tokenizer, v: &serde_json::Value) -> u64 {
+    match v {
+        serde_json::Value::String(s) => count_text(tok, s),
+        other => count_text(tok, &other.to_string()),
+    }
+}
+
+/// Characters in the compact JSON serialization of `v`, counted without building the string.
+pub(crate) fn json_chars(v: &serde_json::Value) -> u64 {
+    let mut counter = CharCounter(0);
+    // Writing a `Value` into an infallible writer cannot fail; if it somehow did, the count so
+    // far is still a usable (lower) estimate.
+    let _ = serde_json::to_writer(&mut counter, v);
+    counter.0
+}
+
+/// An `io::Write` that only counts UTF-8 characters (bytes that are not continuation bytes).
+struct CharCounter(u64);
+
+impl std::io::Write for CharCounter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let chars = buf.iter().filter(|b| (**b & 0xC0) != 0x80).count();
+        self.0 = self.0.saturating_add(to_u64(chars));
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// `usize` → `u64` without a cast that could silently truncate on exotic targets.
+pub(crate) fn to_u64(n: usize) -> u64 {
+    u64::try_from(n).unwrap_or(u64::MAX)
+}

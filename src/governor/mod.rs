@@ -1,0 +1,107 @@
+//! The pure decision core. Plain functions over a request context, a policy snapshot, the
+//! ledger and an injected clock, with the upstream call behind a trait: the proxy and
+//! `tollgate test` run exactly this code. No sockets, no files, no wall clock in here.
+
+pub mod circuit;
+mod decide;
+pub mod plan;
+pub mod record;
+mod settle;
+pub mod upstream;
+
+#[cfg(test)]
+mod tests;
+
+pub use circuit::{Admission, Circuit, CircuitState};
+pub use record::*;
+pub use settle::Usage;
+pub use upstream::{CallResult, CallSpec, Clock, Failure, FailureClass, SystemClock, Upstream};
+
+use crate::ledger::{Ledger, Reservation};
+use dashmap::DashMap;
+use plan::PartInfo;
+use std::sync::Arc;
+
+/// One governed request as the core sees it.
+#[derive(Debug, Clone)]
+pub struct RequestCtx {
+    pub request_id: Arc<str>,
+    pub job_id: Arc<str>,
+    pub consumer: Arc<str>,
+    /// Estimated prompt tokens (before any backend's `token_ratio`).
+    pub input_tokens: u64,
+    /// The client's output cap per choice; `None` = the policy default.
+    pub max_output_tokens: Option<u64>,
+    /// Choices asked for; output is charged across all of them.
+    pub n: u32,
+}
+
+/// A served call whose usage is not yet known: the reservation is still held. Dropping it
+/// releases the worst case (the guard); [`Governor::settle`] commits the actual.
+#[derive(Debug)]
+pub struct Pending {
+    reservation: Reservation,
+    parts: Vec<PartInfo>,
+    backend_index: usize,
+}
+
+impl Pending {
+    pub fn backend_index(&self) -> usize {
+        self.backend_index
+    }
+    /// The worst case this call reserved (tokens, requests, micro-dollars).
+    pub fn reserved(&self) -> crate::units::Amount {
+        self.reservation.amount()
+    }
+}
+
+/// What the handler must send back.
+#[derive(Debug)]
+pub enum Served<T> {
+    /// An upstream answered; settle `pending` when its usage is known.
+    Upstream { payload: T, pending: Pending },
+    /// The route's static response (DEGRADE).
+    Static(Arc<str>),
+    /// A client error from the upstream, passed through unchanged.
+    Passthrough { payload: T },
+    /// The sidecar answers itself with the record's status (DEFER / HARD_STOP).
+    Refused,
+}
+
+#[derive(Debug)]
+pub struct Outcome<T> {
+    pub record: Record,
+    pub served: Served<T>,
+}
+
+/// Shared, long-lived state of the core: the ledger and one circuit per backend id.
+/// Both survive policy reloads.
+#[derive(Debug, Default)]
+pub struct Governor {
+    pub ledger: Arc<Ledger>,
+    circuits: DashMap<Arc<str>, Arc<Circuit>>,
+}
+
+impl Governor {
+    pub fn new(ledger: Arc<Ledger>) -> Self {
+        Governor { ledger, circuits: DashMap::new() }
+    }
+
+    /// The circuit of a backend, created CLOSED on first use.
+    pub fn circuit(&self, backend_id: &Arc<str>) -> Arc<Circuit> {
+        if let Some(c) = self.circuits.get(backend_id) {
+            return c.clone();
+        }
+        self.circuits.entry(backend_id.clone()).or_default().clone()
+    }
+
+    /// All circuits by backend id (status pages, persistence).
+    pub fn circuits(&self) -> Vec<(Arc<str>, Arc<Circuit>)> {
+        self.circuits.iter().map(|e| (e.key().clone(), e.value().clone())).collect()
+    }
+
+    /// Drops circuits of backends no longer in the policy (after a reload).
+    pub fn retain_circuits(&self, keep: impl Fn(&str) -> bool) {
+        self.circuits.retain(|k, _| keep(k));
+    }
+}

@@ -1,0 +1,162 @@
+//! Which counters a request touches and with which hard limits. Bounds that share a key
+//! (scope, id, window) share one counter; their limits merge to the tightest per dimension.
+
+use crate::ledger::{Counter, CounterKey, Ledger, ReservePart, WindowSet};
+use crate::policy::{Backend, Bound, Policy};
+use crate::units::{Amount, Dim, Scope};
+use std::sync::Arc;
+
+/// One counter of a request with the bounds attached to it.
+#[derive(Debug, Clone)]
+pub struct PartInfo {
+    pub key: CounterKey,
+    pub counter: Arc<Counter>,
+    pub hard: [Option<u64>; 3],
+    /// Index (into `Policy::bounds`) of the bound that set `hard` per dimension.
+    pub hard_src: [Option<usize>; 3],
+    /// Every bound attached to this counter (soft limits and alerts are read from them).
+    pub bounds: Vec<usize>,
+}
+
+impl PartInfo {
+    pub fn reserve_part(&self) -> ReservePart {
+        ReservePart { counter: self.counter.clone(), hard: self.hard }
+    }
+
+    /// Room left under the hard limit in a dimension, now.
+    pub fn remaining(&self, d: Dim) -> Option<u64> {
+        self.hard[d as usize].map(|h| h.saturating_sub(self.counter.used().get(d)))
+    }
+}
+
+/// Identities of one request, as the plan needs them.
+pub struct Who<'a> {
+    pub request_id: &'a Arc<str>,
+    pub job_id: &'a Arc<str>,
+    pub consumer: &'a Arc<str>,
+}
+
+fn global_id() -> Arc<str> {
+    Arc::from("global")
+}
+
+fn add(parts: &mut Vec<PartInfo>, idx: usize, b: &Bound, key: CounterKey, make: impl FnOnce() -> Arc<Counter>) {
+    let pos = parts.iter().position(|p| p.key == key);
+    let part = match pos {
+        Some(i) => &mut parts[i],
+        None => {
+            parts.push(PartInfo {
+                counter: make(),
+                key,
+                hard: [None; 3],
+                hard_src: [None; 3],
+                bounds: Vec::new(),
+            });
+            let last = parts.len() - 1;
+            &mut parts[last]
+        }
+    };
+    part.bounds.push(idx);
+    for (i, lim) in b.hard.as_array().into_iter().enumerate() {
+        if let Some(l) = lim {
+            if part.hard[i].is_none_or(|cur| l < cur) {
+                part.hard[i] = Some(l);
+                part.hard_src[i] = Some(idx);
+            }
+        }
+    }
+}
+
+fn key_for(b: &Bound, id: Arc<str>, windows: &WindowSet) -> (CounterKey, i64) {
+    let (window, expires) = match b.window {
+        Some(w) => (Some(windows.key(w)), windows.end(w)),
+        None => (None, i64::MAX),
+    };
+    (CounterKey { scope: b.scope, id, window }, expires)
+}
+
+/// Counters of bounds that decide for the whole request (request, job, consumer, global).
+pub fn request_parts(policy: &Policy, windows: &WindowSet, ledger: &Ledger, who: &Who<'_>) -> Vec<PartInfo> {
+    let mut parts = Vec::new();
+    for (idx, b) in policy.bounds.iter().enumerate() {
+        let id = match b.scope {
+            Scope::Request => who.request_id.clone(),
+            Scope::Job => who.job_id.clone(),
+            Scope::Consumer => who.consumer.clone(),
+            Scope::Global => global_id(),
+            Scope::Backend | Scope::Model => continue,
+        };
+        if b.scope != Scope::Global && !b.matcher.matches(&id) {
+            continue;
+        }
+        let (key, expires) = key_for(b, id, windows);
+        if b.scope == Scope::Request {
+            // A request's counter lives only as long as the request: keep it out of the map.
+            add(&mut parts, idx, b, key, || Arc::new(Counter::new(i64::MAX)));
+        } else {
+            add(&mut parts, idx, b, key.clone(), || ledger.counter(&key, expires));
+        }
+    }
+    parts
+}
+
+/// Counters of bounds scoped to one chain entry (its backend and its upstream model).
+pub fn entry_parts(
+    policy: &Policy,
+    windows: &WindowSet,
+    ledger: &Ledger,
+    backend: &Backend,
+    model: &Arc<str>,
+) -> Vec<PartInfo> {
+    let mut parts = Vec::new();
+    for (idx, b) in policy.bounds.iter().enumerate() {
+        let id = match b.scope {
+            Scope::Backend => backend.id.clone(),
+            Scope::Model => model.clone(),
+            _ => continue,
+        };
+        if !b.matcher.matches(&id) {
+            continue;
+        }
+        let (key, expires) = key_for(b, id, windows);
+        add(&mut parts, idx, b, key.clone(), || ledger.counter(&key, expires));
+    }
+    parts
+}
+
+/// The worst case of one attempt on `backend`, in all three dimensions.
+pub fn worst_amount(backend: &Backend, input_tokens: u64, output_total: u64) -> Amount {
+    Amount {
+        tokens: backend.worst_tokens(input_tokens, output_total),
+        requests: 1,
+        usd: backend.worst_cost(input_tokens, output_total),
+    }
+}
+
+/// The largest total output that fits every hard limit of `parts` on `backend`, if any.
+pub fn max_output_that_fits(parts: &[&PartInfo], backend: &Backend, input_tokens: u64) -> Option<u64> {
+    let scaled_in = backend.scaled_input(input_tokens);
+    let mut best = u64::MAX;
+    for p in parts {
+        if let Some(rem) = p.remaining(Dim::Requests) {
+            if rem < 1 {
+                return None;
+            }
+        }
+        if let Some(rem) = p.remaining(Dim::Tokens) {
+            best = best.min(rem.checked_sub(scaled_in)?);
+        }
+        if let Some(rem) = p.remaining(Dim::Usd) {
+            let price = backend.price;
+            let in_cost = price.cost(scaled_in, 0);
+            rem.checked_sub(in_cost)?;
+            if price.output_per_1k > 0 {
+                // cost(out) = ceil((in*pin + out*pout)/1000) <= rem  ⇐  out <= (rem*1000 - in*pin)/pout
+                let budget = (rem as u128) * 1000 - (scaled_in as u128) * (price.input_per_1k as u128);
+                let out = budget / price.output_per_1k as u128;
+                best = best.min(out.min(u64::MAX as u128) as u64);
+            }
+        }
+    }
+    Some(best)
+}

@@ -1,0 +1,212 @@
+//! The decision record (SPEC §2): eight fields with closed value sets, plus the facts a
+//! reviewer needs to rebuild why a call was allowed, degraded, deferred or stopped.
+
+use serde::Serialize;
+use std::sync::Arc;
+
+use super::circuit::CircuitState;
+
+macro_rules! state_enum {
+    ($(#[$m:meta])* $name:ident { $($variant:ident => $s:literal),+ $(,)? }) => {
+        $(#[$m])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+        pub enum $name { $(#[serde(rename = $s)] $variant),+ }
+        impl $name {
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+            pub fn as_str(self) -> &'static str { match self { $($name::$variant => $s),+ } }
+            pub fn parse(s: &str) -> Option<Self> { match s { $($s => Some($name::$variant),)+ _ => None } }
+        }
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result { f.write_str(self.as_str()) }
+        }
+    };
+}
+
+state_enum!(BudgetState { Ok => "OK", SoftExceeded => "SOFT_EXCEEDED", HardExceeded => "HARD_EXCEEDED" });
+state_enum!(QuotaState { Ok => "OK", RateLimited => "RATE_LIMITED", Exhausted => "EXHAUSTED" });
+state_enum!(RetryState {
+    NotNeeded => "NOT_NEEDED", Retried => "RETRIED", Exhausted => "EXHAUSTED",
+    Blocked => "BLOCKED", NotRetryable => "NOT_RETRYABLE",
+});
+state_enum!(UsageEvidence { None => "NONE", Actual => "ACTUAL", Estimated => "ESTIMATED", Partial => "PARTIAL" });
+state_enum!(FallbackState {
+    NotNeeded => "NOT_NEEDED", Used => "USED", BlockedBudget => "BLOCKED_BUDGET", Exhausted => "EXHAUSTED",
+});
+state_enum!(FinalAction { Allow => "ALLOW", Degrade => "DEGRADE", Defer => "DEFER", HardStop => "HARD_STOP" });
+state_enum!(
+    /// Declared in gate order (SPEC §1.3): the first gate that blocked or changed the outcome
+    /// wins, so the derived `Ord` is the precedence.
+    #[derive(PartialOrd, Ord)]
+    ReasonClass {
+        Ok => "OK",
+        Unauthenticated => "UNAUTHENTICATED",
+        BadRequest => "BAD_REQUEST",
+        RateLimited => "RATE_LIMITED",
+        QuotaBlocked => "QUOTA_BLOCKED",
+        HardBudgetExceeded => "HARD_BUDGET_EXCEEDED",
+        FallbackOverBudget => "FALLBACK_OVER_BUDGET",
+        SoftBudgetExceeded => "SOFT_BUDGET_EXCEEDED",
+        ModelIneligible => "MODEL_INELIGIBLE",
+        CircuitOpen => "CIRCUIT_OPEN",
+        HalfOpenProbe => "HALF_OPEN_PROBE",
+        RetryBudgetExhausted => "RETRY_BUDGET_EXHAUSTED",
+        UpstreamFailure => "UPSTREAM_FAILURE",
+    }
+);
+
+impl ReasonClass {
+    /// Keeps the earlier gate's reason: `OK` is replaced by anything.
+    pub fn note(&mut self, r: ReasonClass) {
+        if *self == ReasonClass::Ok || r < *self {
+            *self = r;
+        }
+    }
+}
+
+/// One upstream attempt, for the audit record.
+#[derive(Debug, Clone, Serialize)]
+pub struct AttemptRecord {
+    pub backend: Arc<str>,
+    pub model: Arc<str>,
+    pub attempt: u32,
+    pub probe: bool,
+    pub worst_tokens: u64,
+    pub worst_cost_usd: f64,
+    pub max_output_tokens: u64,
+    /// `ok`, `not_retryable`, or the failure class.
+    pub outcome: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_after_ms: Option<i64>,
+    pub circuit_before: CircuitState,
+    pub circuit_after: CircuitState,
+    pub latency_ms: i64,
+    /// What was waited before this attempt (backoff or Retry-After), ms.
+    pub waited_ms: i64,
+}
+
+/// A bound that refused or was checked, for the audit record.
+#[derive(Debug, Clone, Serialize)]
+pub struct BoundNote {
+    pub name: Arc<str>,
+    pub class: &'static str,
+    pub scope: &'static str,
+    pub id: Arc<str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub window: Option<&'static str>,
+    pub dim: &'static str,
+    pub used: u64,
+    pub limit: u64,
+    pub asked: u64,
+    /// Which backend's attempt was refused.
+    pub backend: Arc<str>,
+}
+
+/// The full decision for one governed request.
+#[derive(Debug, Clone, Serialize)]
+pub struct Record {
+    pub budget_state: BudgetState,
+    pub quota_state: QuotaState,
+    pub circuit_state: CircuitState,
+    pub retry_state: RetryState,
+    pub usage_evidence_state: UsageEvidence,
+    pub fallback_state: FallbackState,
+    pub final_action: FinalAction,
+    pub reason_class: ReasonClass,
+
+    pub http_status: u16,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_after: Option<u64>,
+    pub calls: Vec<Arc<str>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upstream_max_tokens: Option<u64>,
+
+    pub policy_version: Arc<str>,
+    pub request_id: Arc<str>,
+    pub job_id: Arc<str>,
+    pub consumer_id: Arc<str>,
+    pub route: Arc<str>,
+    /// The backend that served: an id, `static`, or `none`.
+    pub backend: Arc<str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upstream_model: Option<Arc<str>>,
+    pub estimated_input_tokens: u64,
+    pub requested_output_tokens: u64,
+    pub worst_case_tokens: u64,
+    pub worst_case_usd: f64,
+    pub actual_input_tokens: u64,
+    pub actual_output_tokens: u64,
+    pub cost_usd: f64,
+    pub job_attempts: u32,
+    pub retry_budget: u32,
+    pub job_fallbacks: u32,
+    /// Sum of the worst cases of this request's attempts over the primary's worst case.
+    pub amplification: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remaining_tokens: Option<u64>,
+    pub attempts: Vec<AttemptRecord>,
+    pub refusals: Vec<BoundNote>,
+    /// Alert thresholds this request's usage crossed: (bound name, fraction).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub alerts: Vec<(Arc<str>, f64)>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl Record {
+    pub fn new(
+        policy_version: Arc<str>,
+        request_id: Arc<str>,
+        job_id: Arc<str>,
+        consumer_id: Arc<str>,
+        route: Arc<str>,
+    ) -> Self {
+        Record {
+            budget_state: BudgetState::Ok,
+            quota_state: QuotaState::Ok,
+            circuit_state: CircuitState::Closed,
+            retry_state: RetryState::NotNeeded,
+            usage_evidence_state: UsageEvidence::None,
+            fallback_state: FallbackState::NotNeeded,
+            final_action: FinalAction::Allow,
+            reason_class: ReasonClass::Ok,
+            http_status: 200,
+            retry_after: None,
+            calls: Vec::new(),
+            upstream_max_tokens: None,
+            policy_version,
+            request_id,
+            job_id,
+            consumer_id,
+            route,
+            backend: Arc::from("none"),
+            upstream_model: None,
+            estimated_input_tokens: 0,
+            requested_output_tokens: 0,
+            worst_case_tokens: 0,
+            worst_case_usd: 0.0,
+            actual_input_tokens: 0,
+            actual_output_tokens: 0,
+            cost_usd: 0.0,
+            job_attempts: 0,
+            retry_budget: 0,
+            job_fallbacks: 0,
+            amplification: 0.0,
+            remaining_tokens: None,
+            attempts: Vec::new(),
+            refusals: Vec::new(),
+            alerts: Vec::new(),
+            error: None,
+        }
+    }
+
+    /// A request refused before the governor ran (identity, parsing): no call was made.
+    pub fn refused_early(mut self, reason: ReasonClass, http_status: u16, msg: String) -> Self {
+        self.reason_class = reason;
+        self.final_action = FinalAction::HardStop;
+        self.http_status = http_status;
+        self.error = Some(msg);
+        self
+    }
+}

@@ -1,0 +1,66 @@
+//! Reconciliation: the actual usage replaces the reserved worst case; soft bounds and alert
+//! thresholds are judged on what was really spent.
+
+use super::record::{BudgetState, ReasonClass, Record, UsageEvidence};
+use super::{Governor, Pending};
+use crate::policy::Policy;
+use crate::units::{micros_to_usd, Amount, Dim};
+
+/// Usage of one served call, from the provider or the sidecar's own count.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+}
+
+impl Governor {
+    /// Commits the actual usage of a served call and finishes its record.
+    pub fn settle(&self, policy: &Policy, rec: &mut Record, pending: Pending, usage: Usage, evidence: UsageEvidence) {
+        let Pending { reservation, parts, backend_index } = pending;
+        let price = policy.backends.get(backend_index).map(|b| b.price).unwrap_or_default();
+        let actual = Amount {
+            tokens: usage.input_tokens + usage.output_tokens,
+            requests: 1,
+            usd: price.cost(usage.input_tokens, usage.output_tokens),
+        };
+        let before = reservation.commit(actual);
+        rec.usage_evidence_state = evidence;
+        rec.actual_input_tokens = usage.input_tokens;
+        rec.actual_output_tokens = usage.output_tokens;
+        rec.cost_usd = micros_to_usd(actual.usd);
+
+        let mut soft = false;
+        for (part, prev) in parts.iter().zip(before) {
+            let now = Amount::from_array(std::array::from_fn(|i| prev.as_array()[i] + actual.as_array()[i]));
+            for &bi in &part.bounds {
+                let b = &policy.bounds[bi];
+                for d in Dim::ALL {
+                    if b.soft.as_array()[d as usize].is_some_and(|s| now.get(d) > s) {
+                        soft = true;
+                    }
+                    if let Some(limit) = b.hard.as_array()[d as usize] {
+                        for &a in &b.alert_at {
+                            let at = (limit as f64 * a).ceil() as u64;
+                            if prev.get(d) < at && now.get(d) >= at {
+                                rec.alerts.push((b.name.clone(), a));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if soft {
+            if rec.budget_state == BudgetState::Ok {
+                rec.budget_state = BudgetState::SoftExceeded;
+            }
+            rec.reason_class.note(ReasonClass::SoftBudgetExceeded);
+        }
+    }
+
+    /// A served call ended with nothing usable to count (e.g. cancelled before any byte):
+    /// the reservation is released and the record says so.
+    pub fn abandon(&self, rec: &mut Record, pending: Pending) {
+        drop(pending);
+        rec.usage_evidence_state = UsageEvidence::None;
+    }
+}

@@ -1,0 +1,213 @@
+//! The ledger: lock-free counters keyed by (scope, id, window), reservations of the worst
+//! case that are all-or-nothing across counters, and job ledgers.
+//!
+//! Hot path rule: no mutex. Counters are found in a sharded concurrent map and updated with
+//! compare-exchange; a [`Reservation`] is a guard that gives its worst case back on every exit
+//! path unless it was committed, and settling twice is impossible by construction.
+
+mod counter;
+mod job;
+mod window;
+
+#[cfg(test)]
+mod tests;
+
+pub use counter::{Counter, DimRefusal};
+pub use job::JobLedger;
+pub use window::{window_at, window_end, WindowKey, WindowSet};
+
+use crate::units::{Amount, Millis, Scope};
+use dashmap::DashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Counters are keyed by who (scope and id) and when (window). Several bounds on the same
+/// key (a token quota and a USD budget for one consumer per day) read the same counter.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CounterKey {
+    pub scope: Scope,
+    pub id: Arc<str>,
+    pub window: Option<WindowKey>,
+}
+
+/// One counter of a reservation with the hard limits that apply to it.
+#[derive(Debug, Clone)]
+pub struct ReservePart {
+    pub counter: Arc<Counter>,
+    pub hard: [Option<u64>; 3],
+}
+
+/// A refused reservation: which part and which dimension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refusal {
+    pub part: usize,
+    pub refusal: DimRefusal,
+}
+
+/// Reserved worst case held against a set of counters. Dropping it releases the worst case;
+/// [`Reservation::commit`] replaces it with the actual usage. Either happens exactly once.
+#[derive(Debug)]
+pub struct Reservation {
+    counters: Vec<Arc<Counter>>,
+    amount: Amount,
+    ledger: Arc<LedgerTotals>,
+    settled: bool,
+}
+
+impl Reservation {
+    pub fn amount(&self) -> Amount {
+        self.amount
+    }
+
+    /// Commits the actual usage in place of the reserved worst case. Returns, per counter
+    /// in reservation order, the committed amount just before this commit.
+    pub fn commit(mut self, actual: Amount) -> Vec<Amount> {
+        let before = self.counters.iter().map(|c| c.commit(&self.amount, &actual)).collect();
+        self.ledger.unreserve(self.amount.tokens);
+        self.settled = true;
+        before
+    }
+
+    /// Gives the whole reservation back (nothing was consumed).
+    pub fn release(mut self) {
+        self.do_release();
+    }
+
+    fn do_release(&mut self) {
+        if self.settled {
+            return;
+        }
+        for c in &self.counters {
+            c.release(&self.amount);
+        }
+        self.ledger.unreserve(self.amount.tokens);
+        self.settled = true;
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.do_release();
+    }
+}
+
+/// Process-wide totals kept beside the map so that gauges need no scan.
+#[derive(Debug, Default)]
+pub struct LedgerTotals {
+    reserved_tokens: AtomicU64,
+}
+
+impl LedgerTotals {
+    fn unreserve(&self, t: u64) {
+        let _ = self
+            .reserved_tokens
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| Some(v.saturating_sub(t)));
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct Ledger {
+    counters: DashMap<CounterKey, Arc<Counter>>,
+    jobs: DashMap<Arc<str>, Arc<JobLedger>>,
+    totals: Arc<LedgerTotals>,
+}
+
+impl Ledger {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The counter for `key`, created empty if absent. `expires_at` is used on creation only.
+    pub fn counter(&self, key: &CounterKey, expires_at: Millis) -> Arc<Counter> {
+        if let Some(c) = self.counters.get(key) {
+            return c.clone();
+        }
+        self.counters
+            .entry(key.clone())
+            .or_insert_with(|| Arc::new(Counter::new(expires_at)))
+            .clone()
+    }
+
+    pub fn get(&self, key: &CounterKey) -> Option<Arc<Counter>> {
+        self.counters.get(key).map(|c| c.clone())
+    }
+
+    pub fn remove(&self, key: &CounterKey) {
+        self.counters.remove(key);
+    }
+
+    /// Reserves `amount` on every part, all or nothing. On refusal nothing stays reserved.
+    pub fn reserve(&self, parts: &[ReservePart], amount: Amount) -> Result<Reservation, Refusal> {
+        for (i, p) in parts.iter().enumerate() {
+            if let Err(refusal) = p.counter.try_reserve(&amount, &p.hard) {
+                for q in &parts[..i] {
+                    q.counter.release(&amount);
+                }
+                return Err(Refusal { part: i, refusal });
+            }
+        }
+        self.totals.reserved_tokens.fetch_add(amount.tokens, Ordering::AcqRel);
+        Ok(Reservation {
+            counters: parts.iter().map(|p| p.counter.clone()).collect(),
+            amount,
+            ledger: self.totals.clone(),
+            settled: false,
+        })
+    }
+
+    /// Worst-case tokens reserved by calls in flight, process-wide.
+    pub fn reserved_tokens(&self) -> u64 {
+        self.totals.reserved_tokens.load(Ordering::Acquire)
+    }
+
+    /// The job ledger for `id`, created on first use.
+    pub fn job(&self, id: &Arc<str>, now: Millis) -> Arc<JobLedger> {
+        if let Some(j) = self.jobs.get(id) {
+            j.touch(now);
+            return j.clone();
+        }
+        self.jobs
+            .entry(id.clone())
+            .or_insert_with(|| Arc::new(JobLedger::new(0, 0, now)))
+            .clone()
+    }
+
+    /// Seeds a job ledger (state loaded at start, scenario files).
+    pub fn set_job(&self, id: Arc<str>, attempts: u32, fallbacks: u32, now: Millis) {
+        self.jobs.insert(id, Arc::new(JobLedger::new(attempts, fallbacks, now)));
+    }
+
+    pub fn job_count(&self) -> usize {
+        self.jobs.len()
+    }
+
+    pub fn counter_count(&self) -> usize {
+        self.counters.len()
+    }
+
+    /// Every counter with its key (admin status, persistence). Not for the request path.
+    pub fn snapshot(&self) -> Vec<(CounterKey, Amount, Amount)> {
+        self.counters
+            .iter()
+            .map(|e| (e.key().clone(), e.value().committed(), e.value().reserved()))
+            .collect()
+    }
+
+    /// Drops jobs idle for longer than `job_ttl_ms` (with their job counters) and counters
+    /// whose window has ended. Counters still holding a reservation are kept.
+    pub fn sweep(&self, now: Millis, job_ttl_ms: i64) {
+        let mut dead_jobs = Vec::new();
+        self.jobs.retain(|id, j| {
+            let keep = now.saturating_sub(j.last_seen()) <= job_ttl_ms;
+            if !keep {
+                dead_jobs.push(id.clone());
+            }
+            keep
+        });
+        for id in dead_jobs {
+            let key = CounterKey { scope: Scope::Job, id, window: None };
+            self.counters.remove_if(&key, |_, c| c.reserved() == Amount::ZERO);
+        }
+        self.counters.retain(|_, c| c.expires_at() > now || c.reserved() != Amount::ZERO);
+    }
+}

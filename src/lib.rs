@@ -1,0 +1,13 @@
+//! tollgate: a transparent reverse-proxy sidecar that governs what AI calls cost.
+//!
+//! Module graph (imports point down): `cli` → `proxy`/`scenario` → `governor` → `ledger`,
+//! `policy`, `estimate` → `units`. The governor is pure: no sockets, files or wall clock.
+#![forbid(unsafe_code)]
+
+pub mod cli;
+pub mod estimate;
+pub mod governor;
+pub mod ledger;
+pub mod policy;
+pub mod scenario;
+pub mod units;

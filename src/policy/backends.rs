@@ -1,0 +1,186 @@
+//! Validation of backends and routes: kinds, URLs, prices, timeouts, circuits, and route
+//! chains whose every entry must name a defined backend.
+
+use super::raw::*;
+use super::source::Item;
+use super::types::*;
+use super::validate::V;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+impl V<'_> {
+    pub(super) fn backend(&mut self, it: &Item<RawBackend>) -> Backend {
+        let (f, b) = (it.file, &it.v);
+        let p = |k: &str| format!("backends[{}].{k}", it.index);
+        let id = self.required(f, p("id"), b.id.as_ref().map(|t| t.0.as_str()));
+        let kind = match &b.kind {
+            Some(k) => self.one_of(f, &p("kind"), k, &KINDS),
+            None => self.err(
+                f,
+                p("kind"),
+                "is required (openai, anthropic, gemini or ollama)",
+            ),
+        }
+        .unwrap_or(BackendKind::Openai);
+        let mut base_url = self.required(f, p("base_url"), b.base_url.as_deref());
+        if !base_url.is_empty() {
+            let host = base_url
+                .strip_prefix("https://")
+                .or_else(|| base_url.strip_prefix("http://"));
+            if !host.is_some_and(|h| {
+                !h.is_empty() && !h.starts_with('/') && !h.contains(char::is_whitespace)
+            }) {
+                self.err::<()>(
+                    f,
+                    p("base_url"),
+                    format!("`{base_url}` must be an http:// or https:// URL"),
+                );
+            }
+            base_url = base_url.trim_end_matches('/').to_owned();
+        }
+        let api_key_env = match b.api_key_env.as_deref().map(str::trim) {
+            Some("") => self.err(
+                f,
+                p("api_key_env"),
+                "must be an environment variable name or null",
+            ),
+            other => other.map(str::to_owned),
+        };
+        let token_ratio = match b.token_ratio {
+            Some(r) if !(r.is_finite() && r > 0.0) => {
+                self.err(f, p("token_ratio"), "must be greater than zero")
+            }
+            Some(r) => r,
+            None => DEFAULT_TOKEN_RATIO,
+        };
+        let pr = b.price_per_1k.as_ref();
+        let price = Price {
+            input_per_1k: pr
+                .and_then(|x| x.input)
+                .map_or(0, |u| self.usd(f, p("price_per_1k.input"), u, false)),
+            output_per_1k: pr
+                .and_then(|x| x.output)
+                .map_or(0, |u| self.usd(f, p("price_per_1k.output"), u, false)),
+        };
+        let t = b.timeouts.as_ref();
+        let timeouts = Timeouts {
+            connect: self.dur(
+                f,
+                p("timeouts.connect"),
+                t.and_then(|t| t.connect.as_ref()),
+                DEFAULT_CONNECT_TIMEOUT,
+                true,
+            ),
+            first_byte: self.dur(
+                f,
+                p("timeouts.first_byte"),
+                t.and_then(|t| t.first_byte.as_ref()),
+                DEFAULT_FIRST_BYTE_TIMEOUT,
+                true,
+            ),
+            total: self.dur(
+                f,
+                p("timeouts.total"),
+                t.and_then(|t| t.total.as_ref()),
+                DEFAULT_TOTAL_TIMEOUT,
+                true,
+            ),
+        };
+        let c = b.circuit.as_ref();
+        let circuit = CircuitCfg {
+            failure_threshold: self.nonzero(
+                f,
+                p("circuit.failure_threshold"),
+                c.and_then(|c| c.failure_threshold.as_ref()),
+                DEFAULT_FAILURE_THRESHOLD,
+            ),
+            recovery_timeout: self.dur(
+                f,
+                p("circuit.recovery_timeout"),
+                c.and_then(|c| c.recovery_timeout.as_ref()),
+                DEFAULT_RECOVERY_TIMEOUT,
+                true,
+            ),
+            half_open_max_calls: self.nonzero(
+                f,
+                p("circuit.half_open_max_calls"),
+                c.and_then(|c| c.half_open_max_calls.as_ref()),
+                DEFAULT_HALF_OPEN_MAX_CALLS,
+            ),
+            accept_retry_after: c
+                .and_then(|c| c.accept_retry_after)
+                .unwrap_or(DEFAULT_ACCEPT_RETRY_AFTER),
+        };
+        let max_in_flight = b
+            .max_in_flight
+            .map(|n| self.nonzero(f, p("max_in_flight"), Some(&n), n));
+        Backend {
+            id: id.into(),
+            kind,
+            base_url,
+            api_key_env,
+            token_ratio,
+            price,
+            timeouts,
+            circuit,
+            max_in_flight,
+        }
+    }
+
+    pub(super) fn route(&mut self, it: &Item<RawRoute>, by_id: &HashMap<&str, usize>) -> Route {
+        let (f, r) = (it.file, &it.v);
+        let p = |k: &str| format!("routes[{}].{k}", it.index);
+        let model = self.required(f, p("model"), r.model.as_ref().map(|t| t.0.as_str()));
+        let raw_chain = r.chain.as_deref().unwrap_or_default();
+        if raw_chain.is_empty() {
+            self.err::<()>(
+                f,
+                p("chain"),
+                "must list at least one {backend, model} entry",
+            );
+        }
+        let mut chain: Vec<ChainEntry> = Vec::new();
+        let mut seen: HashMap<(String, String), usize> = HashMap::new();
+        for (i, e) in raw_chain.iter().enumerate() {
+            let q = |k: &str| p(&format!("chain[{i}].{k}"));
+            let bid = self.required(f, q("backend"), e.backend.as_ref().map(|t| t.0.as_str()));
+            let m = self.required(f, q("model"), e.model.as_ref().map(|t| t.0.as_str()));
+            let backend = match by_id.get(bid.as_str()) {
+                Some(&b) => b,
+                None if bid.is_empty() => 0,
+                None => self.err(f, q("backend"), format!("no backend with id `{bid}`")),
+            };
+            if let Some(first) = seen.insert((bid.clone(), m.clone()), i) {
+                self.err::<()>(
+                    f,
+                    p(&format!("chain[{i}]")),
+                    format!("duplicate chain entry {bid}/{m} (same as chain[{first}])"),
+                );
+            }
+            chain.push(ChainEntry {
+                backend,
+                model: m.into(),
+            });
+        }
+        let static_response = match r.static_response.as_deref() {
+            Some(s) if s.trim().is_empty() => self.err(
+                f,
+                p("static_response"),
+                "must not be empty (omit it instead)",
+            ),
+            other => other.map(Arc::from),
+        };
+        Route {
+            model: model.into(),
+            chain,
+            static_response,
+        }
+    }
+}
+
+const KINDS: [(&str, BackendKind); 4] = [
+    ("openai", BackendKind::Openai),
+    ("anthropic", BackendKind::Anthropic),
+    ("gemini", BackendKind::Gemini),
+    ("ollama", BackendKind::Ollama),
+];

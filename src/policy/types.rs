@@ -1,0 +1,330 @@
+//! The validated, typed policy snapshot. Everything the request path reads comes from here;
+//! nothing in it is optional in a way that needs defaulting at request time.
+
+use crate::units::{Micros, Scope, Window};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// One validated policy. Immutable once built; a reload builds a new one and swaps it in.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    /// `version`: stamped on every decision.
+    pub version: Arc<str>,
+    /// Where the policy came from (file or directory), for messages.
+    pub source: String,
+    pub server: ServerCfg,
+    pub identity: IdentityCfg,
+    pub estimate: EstimateCfg,
+    pub windows: WindowsCfg,
+    /// In policy order; `ChainEntry::backend` indexes into this.
+    pub backends: Vec<Backend>,
+    pub routes: Vec<Route>,
+    /// `rate_limits`, `quotas` and `budgets`, in that order, as one list of bounds.
+    pub bounds: Vec<Bound>,
+    pub retry: RetryCfg,
+    pub fallback: FallbackCfg,
+    pub degrade: DegradeCfg,
+    pub defer: DeferCfg,
+    pub state: StateCfg,
+    pub audit: AuditCfg,
+    /// route alias -> index into `routes`.
+    pub route_index: HashMap<String, usize>,
+}
+
+impl Policy {
+    pub fn route(&self, alias: &str) -> Option<&Route> {
+        self.route_index.get(alias).map(|&i| &self.routes[i])
+    }
+
+    pub fn backend(&self, id: &str) -> Option<&Backend> {
+        self.backends.iter().find(|b| &*b.id == id)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerCfg {
+    pub listen: String,
+    pub admin_listen: String,
+    pub max_body_bytes: u64,
+    /// How long a connection may sit idle / take to send its headers.
+    pub header_read_timeout: Duration,
+    /// Graceful shutdown deadline for in-flight requests.
+    pub shutdown_grace: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct IdentityCfg {
+    pub consumer_header: String,
+    pub job_header: String,
+    pub default_consumer: Arc<str>,
+    pub virtual_keys: Vec<VirtualKey>,
+}
+
+#[derive(Debug, Clone)]
+pub struct VirtualKey {
+    pub consumer: Arc<str>,
+    pub key_env: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tokenizer {
+    O200k,
+    Cl100k,
+    Chars,
+}
+
+#[derive(Debug, Clone)]
+pub struct EstimateCfg {
+    pub tokenizer: Tokenizer,
+    pub default_max_output_tokens: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct WindowsCfg {
+    pub timezone_name: String,
+    pub timezone: jiff::tz::TimeZone,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    Openai,
+    Anthropic,
+    Gemini,
+    Ollama,
+}
+
+impl BackendKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendKind::Openai => "openai",
+            BackendKind::Anthropic => "anthropic",
+            BackendKind::Gemini => "gemini",
+            BackendKind::Ollama => "ollama",
+        }
+    }
+}
+
+/// Price in micro-dollars per 1000 tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Price {
+    pub input_per_1k: Micros,
+    pub output_per_1k: Micros,
+}
+
+impl Price {
+    /// Cost of a call in whole micro-dollars, rounded up (never under-reserve).
+    pub fn cost(&self, input_tokens: u64, output_tokens: u64) -> Micros {
+        let num = (input_tokens as u128) * (self.input_per_1k as u128)
+            + (output_tokens as u128) * (self.output_per_1k as u128);
+        num.div_ceil(1000).min(u64::MAX as u128) as u64
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Timeouts {
+    pub connect: Duration,
+    pub first_byte: Duration,
+    pub total: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct CircuitCfg {
+    pub failure_threshold: u32,
+    pub recovery_timeout: Duration,
+    pub half_open_max_calls: u32,
+    pub accept_retry_after: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct Backend {
+    pub id: Arc<str>,
+    pub kind: BackendKind,
+    /// Without a trailing slash.
+    pub base_url: String,
+    pub api_key_env: Option<String>,
+    pub token_ratio: f64,
+    pub price: Price,
+    pub timeouts: Timeouts,
+    pub circuit: CircuitCfg,
+    /// Concurrent calls allowed to this backend; `None` is unlimited.
+    pub max_in_flight: Option<u32>,
+}
+
+impl Backend {
+    /// Worst-case tokens of a call on this backend: `ceil(input × token_ratio) + output`.
+    pub fn worst_tokens(&self, input_tokens: u64, max_output_tokens: u64) -> u64 {
+        self.scaled_input(input_tokens) + max_output_tokens
+    }
+
+    pub fn scaled_input(&self, input_tokens: u64) -> u64 {
+        if self.token_ratio == 1.0 {
+            input_tokens
+        } else {
+            (input_tokens as f64 * self.token_ratio).ceil() as u64
+        }
+    }
+
+    /// Worst-case cost of a call on this backend, in micro-dollars.
+    pub fn worst_cost(&self, input_tokens: u64, max_output_tokens: u64) -> Micros {
+        self.price.cost(self.scaled_input(input_tokens), max_output_tokens)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ChainEntry {
+    /// Index into `Policy::backends`.
+    pub backend: usize,
+    /// The upstream model name sent to that backend.
+    pub model: Arc<str>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Route {
+    pub model: Arc<str>,
+    pub chain: Vec<ChainEntry>,
+    pub static_response: Option<Arc<str>>,
+}
+
+/// What kind of bound: decides the HTTP answer and the reason class when it refuses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BoundClass {
+    /// `rate_limits`: short windows, 429 + Retry-After.
+    RateLimit,
+    /// `quotas`: calendar windows, 403.
+    Quota,
+    /// `budgets`: hard bounds on the worst case, soft bounds on the actual.
+    Budget,
+}
+
+impl BoundClass {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BoundClass::RateLimit => "rate_limit",
+            BoundClass::Quota => "quota",
+            BoundClass::Budget => "budget",
+        }
+    }
+}
+
+/// Which ids a bound applies to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Match {
+    /// `"*"`: a separate counter per id.
+    Any,
+    /// Only this id.
+    Id(Arc<str>),
+}
+
+impl Match {
+    pub fn matches(&self, id: &str) -> bool {
+        match self {
+            Match::Any => true,
+            Match::Id(m) => &**m == id,
+        }
+    }
+}
+
+/// Limits in the three dimensions; `None` = not limited in that dimension.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Limits {
+    pub tokens: Option<u64>,
+    pub requests: Option<u64>,
+    pub usd: Option<Micros>,
+}
+
+impl Limits {
+    pub fn as_array(&self) -> [Option<u64>; 3] {
+        [self.tokens, self.requests, self.usd]
+    }
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_none() && self.requests.is_none() && self.usd.is_none()
+    }
+}
+
+/// A rate limit, quota or budget.
+#[derive(Debug, Clone)]
+pub struct Bound {
+    pub name: Arc<str>,
+    pub class: BoundClass,
+    pub scope: Scope,
+    pub matcher: Match,
+    /// `None` for request- and job-scoped bounds (they live as long as the job).
+    pub window: Option<Window>,
+    /// Hard limits: a reservation whose worst case would cross one is refused.
+    pub hard: Limits,
+    /// Soft limits (budgets only): crossing one by actual usage changes behaviour.
+    pub soft: Limits,
+    /// Fractions of the hard limit at which an alert fires once per window.
+    pub alert_at: Vec<f64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RetryOn {
+    Status(u16),
+    Timeout,
+    ConnectError,
+}
+
+#[derive(Debug, Clone)]
+pub struct RetryCfg {
+    pub max_attempts_per_job: u32,
+    pub same_backend_retries: u32,
+    pub retry_on: Vec<RetryOn>,
+    pub backoff_initial: Duration,
+    pub backoff_max: Duration,
+    pub max_retry_after: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct FallbackCfg {
+    pub max_fallbacks_per_job: u32,
+    pub max_amplification: f64,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct DegradeCfg {
+    /// `clamp_max_tokens.min_output_tokens`: clamp instead of stopping, not below this.
+    pub clamp_min_output_tokens: Option<u32>,
+    /// `on_soft_exceeded.max_output_tokens`: the cap applied past a soft bound.
+    pub soft_max_output_tokens: Option<u32>,
+}
+
+#[derive(Debug, Clone)]
+pub struct DeferCfg {
+    pub allowed: bool,
+    pub max_retry_after: Duration,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StateBackend {
+    Memory,
+    Sqlite,
+    Redis,
+}
+
+#[derive(Debug, Clone)]
+pub struct StateCfg {
+    pub backend: StateBackend,
+    pub path: String,
+    pub redis_url: Option<String>,
+    /// How long a job ledger lives after its last use.
+    pub job_idle_ttl: Duration,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AuditSink {
+    Jsonl,
+    Sqlite,
+    Postgres,
+    Off,
+}
+
+#[derive(Debug, Clone)]
+pub struct AuditCfg {
+    pub sink: AuditSink,
+    pub path: String,
+    pub postgres_url: Option<String>,
+    /// Bounded queue between request path and writer.
+    pub queue: usize,
+}
