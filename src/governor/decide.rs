@@ -300,7 +300,7 @@ impl Governor {
                             let wait = ra.unwrap_or_else(|| backoff_ms(policy, tries_here)).max(0);
                             // Would the retry be admitted at all? Check before waiting.
                             if circuit.state_at(t1 + wait) == CircuitState::Open {
-                                rec.reason_class.note(ReasonClass::CircuitOpen);
+                                // This failure opened it: the reason stays the failure.
                                 walk.hint(circuit.open_until() - t1);
                                 walk.gate_blocked = true;
                                 continue 'chain;

@@ -194,11 +194,16 @@ impl Ledger {
     }
 
     /// Drops jobs idle for longer than `job_ttl_ms` (with their job counters) and counters
-    /// whose window has ended. Counters still holding a reservation are kept.
+    /// whose window has ended. Counters still holding a reservation are kept, and so is a
+    /// job whose counter holds one (a call longer than the ttl), so that a later sweep drops
+    /// both instead of leaving the job counter behind for good.
     pub fn sweep(&self, now: Millis, job_ttl_ms: i64) {
         let mut dead_jobs = Vec::new();
         self.jobs.retain(|id, j| {
-            let keep = now.saturating_sub(j.last_seen()) <= job_ttl_ms;
+            let keep = now.saturating_sub(j.last_seen()) <= job_ttl_ms || {
+                let key = CounterKey { scope: Scope::Job, id: id.clone(), window: None };
+                self.counters.get(&key).is_some_and(|c| c.reserved() != Amount::ZERO)
+            };
             if !keep {
                 dead_jobs.push(id.clone());
             }

@@ -77,7 +77,7 @@ fn start_of(tz: &TimeZone, w: Window, f: DateTime, secs: i64) -> i64 {
     for _ in 0..MAX_HOPS {
         cand = f_ls - offset_at(tz, t);
         match prev_transition(tz, t) {
-            Some(p) if cand < p => {
+            Some(p) if cand <= p => {
                 if floor_at(tz, w, p - 1) != f {
                     return p;
                 }

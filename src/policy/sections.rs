@@ -85,6 +85,15 @@ impl V<'_> {
             DEFAULT_CONSUMER_HEADER,
         );
         let job_header = self.header(m.job_header.as_ref(), "job_header", DEFAULT_JOB_HEADER);
+        if job_header == consumer_header && !job_header.is_empty() {
+            let file = m
+                .job_header
+                .as_ref()
+                .or(m.consumer_header.as_ref())
+                .map_or(0, |a| a.file);
+            let msg = "must differ from identity.consumer_header";
+            self.err::<()>(file, "identity.job_header", msg);
+        }
         let default_consumer = match &m.default_consumer {
             Some(at) => self.required(at.file, "identity.default_consumer".into(), Some(&at.v.0)),
             None => DEFAULT_CONSUMER.to_owned(),

@@ -204,7 +204,9 @@ impl V<'_> {
     ) {
         let mut seen: HashMap<String, (usize, String)> = HashMap::new();
         for it in items {
-            let Some(name) = get(&it.v) else { continue };
+            let Some(name) = get(&it.v).filter(|n| !n.is_empty()) else {
+                continue;
+            };
             let path = format!("{list}[{}].{key}", it.index);
             if let Some((file, first)) = seen.get(&name) {
                 let at = self.sources[*file].place(first);

@@ -41,6 +41,9 @@ pub struct UsageSeed {
     pub id: Option<String>,
     #[serde(default)]
     pub window: Option<crate::units::Window>,
+    /// Seeds the window that contains this instant (RFC 3339) instead of the one at `now`.
+    #[serde(default)]
+    pub at: Option<String>,
     #[serde(default)]
     pub tokens: u64,
     #[serde(default)]

@@ -62,6 +62,7 @@ fn load_policy(file: &str, dir: &Path, v: serde_norway::Value, text: &str) -> Re
 }
 
 fn seed_key(policy: &Policy, s: &UsageSeed, default_id: &str, now: i64) -> (CounterKey, i64) {
+    let now = s.at.as_deref().and_then(|t| t.parse::<jiff::Timestamp>().ok()).map_or(now, |t| t.as_millisecond());
     let id: Arc<str> = match (s.scope, &s.id) {
         (Scope::Global, _) => Arc::from("global"),
         (_, Some(id)) => Arc::from(id.as_str()),
