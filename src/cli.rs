@@ -103,16 +103,88 @@ fn json_line(r: &ScenarioResult) -> serde_json::Value {
     })
 }
 
-/// `serve`: until the proxy lands, load and validate the policy and report it.
+/// `serve`: run the sidecar until SIGTERM/SIGINT; SIGHUP reloads the policy.
 pub async fn serve(path: &std::path::Path) -> u8 {
-    match policy::load(path) {
-        Ok(p) => {
-            println!("{}", policy::summary(&p));
-            EXIT_OK
-        }
+    init_tracing();
+    let snap = match crate::proxy::snapshot::load(path) {
+        Ok(s) => s,
         Err(e) => {
             eprintln!("{e}");
-            EXIT_INVALID
+            return EXIT_INVALID;
+        }
+    };
+    crate::estimate::warm_up_for(snap.policy.estimate.tokenizer);
+    let (audit, writer) = match start_audit(&snap.policy) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("audit: {e}");
+            return EXIT_INVALID;
+        }
+    };
+    let version = snap.policy.version.clone();
+    let running = match crate::proxy::start(snap, audit, crate::proxy::Options::default()).await {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("cannot listen: {e}");
+            return EXIT_INVALID;
+        }
+    };
+    tracing::info!(addr = %running.addr, admin = %running.admin_addr, %version, "tollgate serving");
+    wait_for_signals(&running, path).await;
+    tracing::info!("shutting down: draining in-flight requests");
+    let app = running.app.clone();
+    running.shutdown().await;
+    drop(app);
+    if let Some(w) = writer {
+        let _ = tokio::task::spawn_blocking(move || w.finish()).await;
+    }
+    tracing::info!("stopped");
+    EXIT_OK
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TOLLGATE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_target(false).try_init();
+}
+
+fn start_audit(p: &crate::policy::Policy) -> std::io::Result<(crate::audit::Audit, Option<crate::audit::AuditWriter>)> {
+    use crate::policy::AuditSink;
+    match p.audit.sink {
+        AuditSink::Off => Ok((crate::audit::Audit::off(), None)),
+        AuditSink::Jsonl => {
+            let (a, w) = crate::audit::Audit::jsonl(p.audit.path.clone().into(), p.audit.queue)?;
+            Ok((a, Some(w)))
+        }
+        AuditSink::Sqlite | AuditSink::Postgres => Err(std::io::Error::other(
+            "audit.sink sqlite/postgres is not available in this build; use jsonl or off",
+        )),
+    }
+}
+
+#[cfg(unix)]
+async fn wait_for_signals(running: &crate::proxy::Running, path: &std::path::Path) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int), Ok(mut hup)) =
+        (signal(SignalKind::terminate()), signal(SignalKind::interrupt()), signal(SignalKind::hangup()))
+    else {
+        tracing::error!("cannot install signal handlers");
+        let _ = tokio::signal::ctrl_c().await;
+        return;
+    };
+    loop {
+        tokio::select! {
+            _ = term.recv() => return,
+            _ = int.recv() => return,
+            _ = hup.recv() => match crate::proxy::reload(&running.app, path) {
+                Ok(v) => tracing::info!(version = %v, "policy reloaded"),
+                Err(e) => tracing::error!(error = %e, "policy reload rejected; the old policy stays in force"),
+            },
         }
     }
+}
+
+#[cfg(not(unix))]
+async fn wait_for_signals(_running: &crate::proxy::Running, _path: &std::path::Path) {
+    let _ = tokio::signal::ctrl_c().await;
 }

@@ -4,10 +4,13 @@
 //! `policy`, `estimate` → `units`. The governor is pure: no sockets, files or wall clock.
 #![forbid(unsafe_code)]
 
+pub mod audit;
 pub mod cli;
 pub mod estimate;
 pub mod governor;
 pub mod ledger;
+pub mod proxy;
 pub mod policy;
 pub mod scenario;
+pub mod stream;
 pub mod units;

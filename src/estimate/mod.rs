@@ -17,6 +17,7 @@ mod chat;
 pub mod count;
 mod error;
 pub mod images;
+mod pretok;
 mod prompt;
 mod tools;
 
@@ -71,6 +72,11 @@ pub fn estimate(endpoint: Endpoint, body: &Value, tok: Tokenizer) -> Result<Esti
     let Value::Object(body) = body else {
         return Err(EstimateError::NotAnObject);
     };
+    estimate_object(endpoint, body, tok)
+}
+
+/// [`estimate`] for a body already known to be a JSON object.
+pub fn estimate_object(endpoint: Endpoint, body: &Map<String, Value>, tok: Tokenizer) -> Result<Estimate, EstimateError> {
     let model = model(body)?;
     match endpoint {
         Endpoint::Chat => {

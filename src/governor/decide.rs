@@ -95,6 +95,8 @@ impl Governor {
         }
 
         let primary_worst = primary_backend.worst_tokens(ctx.input_tokens, per_choice * n);
+        rec.worst_case_tokens = primary_worst;
+        rec.worst_case_usd = micros_to_usd(primary_backend.worst_cost(ctx.input_tokens, per_choice * n));
         let amp_cap = (primary_worst as f64 * policy.fallback.max_amplification).floor() as u64;
         let mut sum_worst: u64 = 0;
         let mut walk = Walk { degraded: rec.final_action == FinalAction::Degrade, ..Walk::default() };
@@ -102,7 +104,7 @@ impl Governor {
 
         'chain: for (ei, entry) in route.chain.iter().enumerate() {
             let backend = &policy.backends[entry.backend];
-            if !up.eligible(backend) {
+            if !up.eligible(entry.backend, backend) {
                 if ei == 0 {
                     walk.fallback_needed = true;
                 }
@@ -343,7 +345,7 @@ impl Governor {
             };
         }
         let backend_trouble = walk.fallback_needed || walk.any_failure || !walk.any_eligible;
-        if backend_trouble && !walk.payer_blocked {
+        if backend_trouble && !walk.payer_blocked && ctx.static_ok {
             if let Some(text) = &route.static_response {
                 rec.backend = Arc::from("static");
                 rec.http_status = 200;

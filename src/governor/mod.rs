@@ -34,6 +34,8 @@ pub struct RequestCtx {
     pub max_output_tokens: Option<u64>,
     /// Choices asked for; output is charged across all of them.
     pub n: u32,
+    /// Whether the route's static response may answer this request (not for embeddings).
+    pub static_ok: bool,
 }
 
 /// A served call whose usage is not yet known: the reservation is still held. Dropping it

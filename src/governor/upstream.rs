@@ -80,8 +80,8 @@ pub enum CallResult<T> {
 pub trait Upstream: Sync {
     type Payload: Send;
 
-    /// Whether a backend can be called at all (its key is configured).
-    fn eligible(&self, backend: &Backend) -> bool;
+    /// Whether a backend (at `index` in the policy) can be called at all (its key is set).
+    fn eligible(&self, index: usize, backend: &Backend) -> bool;
 
     fn call(&self, spec: CallSpec<'_>) -> impl Future<Output = CallResult<Self::Payload>> + Send;
 }

@@ -159,7 +159,7 @@ pub async fn run(file: &str, sc: ScenarioFile, policy: &Policy) -> Result<Scenar
     let route = policy
         .route(&model)
         .ok_or_else(|| parse_err(file, format!("request.model: no route for model `{model}`")))?;
-    let ctx = RequestCtx { request_id, job_id: job_id.clone(), consumer, input_tokens, max_output_tokens: max_out, n };
+    let ctx = RequestCtx { request_id, job_id: job_id.clone(), consumer, input_tokens, max_output_tokens: max_out, n, static_ok: true };
 
     let up = ScriptedUpstream::new(sc.upstream.clone());
     let clock = FixedClock::new(now);

@@ -85,7 +85,7 @@ pub fn classify(a: &Answer) -> CallResult<Answer> {
 impl Upstream for ScriptedUpstream {
     type Payload = Answer;
 
-    fn eligible(&self, backend: &Backend) -> bool {
+    fn eligible(&self, _index: usize, backend: &Backend) -> bool {
         crate::policy::backend_eligible(backend)
     }
 

@@ -1,0 +1,85 @@
+//! The audit trail: one JSON line per governed request, written by a background thread
+//! through a bounded queue. When the queue is full the request waits — records are never
+//! dropped. Records hold ids, counts and reasons; never a key, a prompt or a response.
+
+use crate::governor::Record;
+use serde::Serialize;
+use std::io::Write;
+use std::path::PathBuf;
+use tokio::sync::mpsc;
+
+/// One audit line: the decision record plus when and where.
+#[derive(Debug, Serialize)]
+pub struct Entry {
+    pub ts: String,
+    pub endpoint: &'static str,
+    /// Wall time of the whole request in the sidecar, ms.
+    pub latency_ms: f64,
+    #[serde(flatten)]
+    pub record: Record,
+}
+
+/// The sending side, cloned into every request.
+#[derive(Debug, Clone)]
+pub struct Audit {
+    tx: Option<mpsc::Sender<Entry>>,
+}
+
+/// Owns the writer thread; `finish` drains the queue and flushes.
+#[derive(Debug)]
+pub struct AuditWriter {
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Audit {
+    /// An audit that writes nothing (`audit.sink: off`, tests).
+    pub fn off() -> Self {
+        Audit { tx: None }
+    }
+
+    /// Starts a JSONL writer appending to `path`.
+    pub fn jsonl(path: PathBuf, queue: usize) -> std::io::Result<(Audit, AuditWriter)> {
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(&path)?;
+        let (tx, mut rx) = mpsc::channel::<Entry>(queue.max(1));
+        let thread = std::thread::Builder::new().name("tollgate-audit".into()).spawn(move || {
+            let mut out = std::io::BufWriter::with_capacity(256 * 1024, file);
+            while let Some(e) = rx.blocking_recv() {
+                write_one(&mut out, &e);
+                // Drain what is queued, then flush once: batched writes under load.
+                while let Ok(e) = rx.try_recv() {
+                    write_one(&mut out, &e);
+                }
+                if let Err(err) = out.flush() {
+                    tracing::error!(%err, "audit flush failed");
+                }
+            }
+            let _ = out.flush();
+        })?;
+        Ok((Audit { tx: Some(tx) }, AuditWriter { thread: Some(thread) }))
+    }
+
+    /// Queues a record; waits while the queue is full.
+    pub async fn record(&self, e: Entry) {
+        if let Some(tx) = &self.tx {
+            if tx.send(e).await.is_err() {
+                tracing::error!("audit writer is gone; record not written");
+            }
+        }
+    }
+}
+
+fn write_one(out: &mut impl Write, e: &Entry) {
+    let res = serde_json::to_writer(&mut *out, e).and_then(|_| out.write_all(b"\n").map_err(serde_json::Error::io));
+    if let Err(err) = res {
+        tracing::error!(%err, "audit write failed");
+    }
+}
+
+impl AuditWriter {
+    /// Waits until every queued record is written (all `Audit` senders must be dropped).
+    pub fn finish(mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

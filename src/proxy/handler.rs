@@ -1,0 +1,307 @@
+//! One governed request, as named phases over a per-request context:
+//! identify → read → estimate → route → govern (gates, reserve, call) → reconcile → record.
+
+use super::identity::{identify, IdentityError};
+use super::respond::{self, full, is_hop_by_hop, Body, Refusal};
+use super::snapshot::Snapshot;
+use super::stream;
+use super::transport::{Call, Transport, UpBody, UpstreamResponse};
+use crate::audit::{Audit, Entry};
+use crate::estimate::{self, Endpoint, Estimate};
+use crate::stream::StreamUsage;
+use crate::governor::{Governor, Outcome, ReasonClass, Record, RequestCtx, Served, SystemClock, Usage, UsageEvidence};
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use http::{HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use serde::Deserialize;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Everything a request needs, shared by all connections.
+pub struct App {
+    pub snap: ArcSwap<Snapshot>,
+    pub governor: Arc<Governor>,
+    pub transport: Transport,
+    pub audit: Audit,
+}
+
+impl std::fmt::Debug for App {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("App").field("version", &self.snap.load().policy.version).finish()
+    }
+}
+
+fn endpoint_name(e: Endpoint) -> &'static str {
+    match e {
+        Endpoint::Chat => "chat.completions",
+        Endpoint::Completions => "completions",
+        Endpoint::Embeddings => "embeddings",
+    }
+}
+
+/// The data port's router.
+pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    let t0 = Instant::now();
+    let snap = app.snap.load_full();
+    let endpoint = match (req.method(), req.uri().path()) {
+        (&Method::POST, "/v1/chat/completions") => Endpoint::Chat,
+        (&Method::POST, "/v1/completions") => Endpoint::Completions,
+        (&Method::POST, "/v1/embeddings") => Endpoint::Embeddings,
+        (&Method::GET, "/v1/models") => {
+            let mut r = Response::new(full(snap.models_body.clone()));
+            r.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            return Ok(r);
+        }
+        (_, p @ ("/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" | "/v1/models")) => {
+            let rec = bare_record(&snap, p);
+            return Ok(respond::refusal(&Refusal::MethodNotAllowed, &rec, &snap));
+        }
+        (_, p) => {
+            let rec = bare_record(&snap, p);
+            return Ok(respond::refusal(&Refusal::NotFound(p.to_string()), &rec, &snap));
+        }
+    };
+    Ok(governed(&app, snap, endpoint, req, t0).await)
+}
+
+fn bare_record(snap: &Snapshot, route: &str) -> Record {
+    let id = super::identity::new_request_id();
+    Record::new(snap.policy.version.clone(), id.clone(), id, Arc::from("none"), Arc::from(route))
+        .refused_early(ReasonClass::BadRequest, 404, "not governed".into())
+}
+
+async fn governed(app: &App, snap: Arc<Snapshot>, endpoint: Endpoint, req: Request<Incoming>, t0: Instant) -> Response<Body> {
+    let (parts, body) = req.into_parts();
+    let policy = &snap.policy;
+
+    // Identify.
+    let who = match identify(&parts.headers, &snap) {
+        Ok(w) => w,
+        Err((rid, e)) => {
+            let (reason, refusal) = match e {
+                IdentityError::UnknownKey => (
+                    ReasonClass::Unauthenticated,
+                    Refusal::Unauthenticated("the bearer key is not a known virtual key".into()),
+                ),
+                IdentityError::BadHeader(h) => (
+                    ReasonClass::BadRequest,
+                    Refusal::BadRequest {
+                        message: format!("the {h} is not a valid id (1-128 of A-Z a-z 0-9 - _ . : @ /)"),
+                        param: None,
+                        code: "invalid_header",
+                    },
+                ),
+            };
+            let rec = Record::new(policy.version.clone(), rid.clone(), rid, Arc::from("none"), Arc::from(""));
+            return early(app, &snap, endpoint, refusal, rec, reason, t0).await;
+        }
+    };
+    let mut rec = Record::new(policy.version.clone(), who.request_id.clone(), who.job_id.clone(), who.consumer.clone(), Arc::from(""));
+
+    // Read the body, bounded.
+    let limit = policy.server.max_body_bytes;
+    let declared = parts.headers.get(http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return early(app, &snap, endpoint, Refusal::TooLarge { limit }, rec, ReasonClass::BadRequest, t0).await;
+    }
+    let bytes = match Limited::new(body, limit as usize).collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+            return early(app, &snap, endpoint, Refusal::TooLarge { limit }, rec, ReasonClass::BadRequest, t0).await;
+        }
+        Err(e) => {
+            let r = Refusal::BadRequest { message: format!("cannot read the request body: {e}"), param: None, code: "bad_body" };
+            return early(app, &snap, endpoint, r, rec, ReasonClass::BadRequest, t0).await;
+        }
+    };
+
+    // Parse and estimate.
+    let body: serde_json::Map<String, serde_json::Value> = match serde_json::from_slice(&bytes) {
+        Ok(v) => v,
+        Err(e) => {
+            let r = Refusal::BadRequest {
+                message: format!("the request body is not a JSON object: {e}"),
+                param: None,
+                code: "invalid_json",
+            };
+            return early(app, &snap, endpoint, r, rec, ReasonClass::BadRequest, t0).await;
+        }
+    };
+    let est: Estimate = match estimate::estimate_object(endpoint, &body, policy.estimate.tokenizer) {
+        Ok(e) => e,
+        Err(e) => {
+            let r = Refusal::BadRequest { message: e.to_string(), param: e.param().map(str::to_string), code: e.code() };
+            return early(app, &snap, endpoint, r, rec, ReasonClass::BadRequest, t0).await;
+        }
+    };
+
+    // Route.
+    let Some(route) = policy.route(&est.model) else {
+        rec.route = Arc::from(est.model.as_str());
+        return early(app, &snap, endpoint, Refusal::UnknownModel(est.model.clone()), rec, ReasonClass::BadRequest, t0).await;
+    };
+
+    // Govern: gates, reservation, attempts.
+    let ctx = RequestCtx {
+        request_id: who.request_id,
+        job_id: who.job_id,
+        consumer: who.consumer,
+        input_tokens: est.input_tokens,
+        max_output_tokens: est.max_output_tokens,
+        n: est.n,
+        static_ok: endpoint != Endpoint::Embeddings,
+    };
+    let call = Call {
+        transport: &app.transport,
+        snap: &snap,
+        endpoint,
+        body: &body,
+        client_headers: &parts.headers,
+        stream: est.stream,
+        add_include_usage: est.stream && !est.include_usage && endpoint != Endpoint::Embeddings,
+    };
+    let Outcome { record, served } = app.governor.govern(policy, route, &ctx, &call, &SystemClock).await;
+    let mut rec = record;
+
+    match served {
+        Served::Upstream { payload, pending } => {
+            let UpstreamResponse { status, headers, body, deadline } = payload;
+            match body {
+                UpBody::Buffered(b) => {
+                    let (usage, evidence) = buffered_usage(&b, &est, policy.estimate.tokenizer);
+                    app.governor.settle(policy, &mut rec, pending, usage, evidence);
+                    let resp = upstream_response(status, &headers, full(b), &rec, &snap);
+                    finish(app, endpoint, rec, t0).await;
+                    resp
+                }
+                UpBody::Stream(incoming) => {
+                    let tail = stream::Tail {
+                        governor: app.governor.clone(),
+                        snap: snap.clone(),
+                        audit: app.audit.clone(),
+                        endpoint: endpoint_name(endpoint),
+                        pending,
+                        record: rec.clone(),
+                        input_tokens: est.input_tokens,
+                        max_output_total: rec.upstream_max_tokens.unwrap_or(0) * u64::from(est.n.max(1)),
+                        hide_usage: call.add_include_usage,
+                        started: t0,
+                    };
+                    let body = stream::metered(incoming, tail, deadline);
+                    upstream_response(status, &headers, body, &rec, &snap)
+                }
+            }
+        }
+        Served::Passthrough { payload } => {
+            let b = match payload.body {
+                UpBody::Buffered(b) => b,
+                UpBody::Stream(_) => Bytes::new(),
+            };
+            let resp = upstream_response(payload.status, &payload.headers, full(b), &rec, &snap);
+            finish(app, endpoint, rec, t0).await;
+            resp
+        }
+        Served::Static(text) => {
+            let resp = respond::static_answer(&text, endpoint, est.stream, &rec, &snap);
+            finish(app, endpoint, rec, t0).await;
+            resp
+        }
+        Served::Refused => {
+            let resp = respond::refusal(&Refusal::Governed, &rec, &snap);
+            finish(app, endpoint, rec, t0).await;
+            resp
+        }
+    }
+}
+
+/// A refusal before the governor ran: no call, no reservation.
+async fn early(
+    app: &App,
+    snap: &Snapshot,
+    endpoint: Endpoint,
+    r: Refusal,
+    rec: Record,
+    reason: ReasonClass,
+    t0: Instant,
+) -> Response<Body> {
+    let status = r.status(&rec).as_u16();
+    let rec = rec.refused_early(reason, status, format!("{r:?}"));
+    let resp = respond::refusal(&r, &rec, snap);
+    finish(app, endpoint, rec, t0).await;
+    resp
+}
+
+fn upstream_response(status: StatusCode, headers: &http::HeaderMap, body: Body, rec: &Record, snap: &Snapshot) -> Response<Body> {
+    let mut resp = Response::new(body);
+    *resp.status_mut() = status;
+    let h = resp.headers_mut();
+    for (k, v) in headers {
+        if !is_hop_by_hop(k) {
+            h.append(k.clone(), v.clone());
+        }
+    }
+    respond::stamp(h, rec, snap);
+    resp
+}
+
+async fn finish(app: &App, endpoint: Endpoint, record: Record, t0: Instant) {
+    let entry = Entry {
+        ts: jiff::Timestamp::now().to_string(),
+        endpoint: endpoint_name(endpoint),
+        latency_ms: t0.elapsed().as_secs_f64() * 1000.0,
+        record,
+    };
+    app.audit.record(entry).await;
+}
+
+#[derive(Deserialize)]
+struct UsageOnly {
+    usage: Option<StreamUsage>,
+}
+
+#[derive(Deserialize)]
+struct Choices {
+    #[serde(default)]
+    choices: Vec<Choice>,
+}
+
+#[derive(Deserialize)]
+struct Choice {
+    #[serde(default)]
+    message: Option<Message>,
+    #[serde(default)]
+    text: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Message {
+    #[serde(default)]
+    content: Option<serde_json::Value>,
+}
+
+/// Usage of a buffered answer: the provider's, else the sidecar's own count.
+fn buffered_usage(b: &Bytes, est: &Estimate, tok: crate::policy::Tokenizer) -> (Usage, UsageEvidence) {
+    if let Ok(UsageOnly { usage: Some(u) }) = serde_json::from_slice::<UsageOnly>(b) {
+        if let Some(u) = u.to_usage() {
+            return (u, UsageEvidence::Actual);
+        }
+    }
+    let mut out = 0;
+    if let Ok(c) = serde_json::from_slice::<Choices>(b) {
+        for ch in c.choices {
+            if let Some(t) = ch.text {
+                out += estimate::count_output_text(tok, &t);
+            }
+            match ch.message.and_then(|m| m.content) {
+                Some(serde_json::Value::String(s)) => out += estimate::count_output_text(tok, &s),
+                Some(other) => out += estimate::count_output_text(tok, &other.to_string()),
+                None => {}
+            }
+        }
+    }
+    (Usage { input_tokens: est.input_tokens, output_tokens: out }, UsageEvidence::Estimated)
+}
+

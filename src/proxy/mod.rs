@@ -1,0 +1,16 @@
+//! The sidecar: an OpenAI-compatible HTTP front that runs every request through the governor
+//! and calls the chosen upstream. The I/O shell around the pure core.
+
+pub mod admin;
+pub mod handler;
+pub mod identity;
+pub mod respond;
+pub mod retry_after;
+pub mod server;
+pub mod snapshot;
+pub mod stream;
+pub mod transport;
+
+pub use handler::App;
+pub use server::{reload, start, Options, Running};
+pub use snapshot::Snapshot;

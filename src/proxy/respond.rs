@@ -1,0 +1,231 @@
+//! Every response the sidecar makes itself, and the headers every governed response carries.
+//! One exhaustive mapping from what went wrong to an HTTP status and an OpenAI error body.
+
+use super::snapshot::Snapshot;
+use crate::estimate::Endpoint;
+use crate::governor::{FinalAction, ReasonClass, Record};
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
+use http_body_util::{combinators::BoxBody, BodyExt, Full};
+use serde_json::json;
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub type Body = BoxBody<Bytes, BoxError>;
+
+pub fn full(b: impl Into<Bytes>) -> Body {
+    Full::new(b.into()).map_err(|never| match never {}).boxed()
+}
+
+/// Why the sidecar answers a request itself.
+#[derive(Debug)]
+pub enum Refusal {
+    /// Not JSON, or not the shape the endpoint needs.
+    BadRequest { message: String, param: Option<String>, code: &'static str },
+    /// Body over `server.max_body_bytes`.
+    TooLarge { limit: u64 },
+    /// No route for the `model`.
+    UnknownModel(String),
+    /// A bearer key that matches no virtual key, or an unusable identity header.
+    Unauthenticated(String),
+    /// Not an endpoint of the data port.
+    NotFound(String),
+    MethodNotAllowed,
+    /// The governor said DEFER or HARD_STOP.
+    Governed,
+}
+
+impl Refusal {
+    pub fn status(&self, rec: &Record) -> StatusCode {
+        match self {
+            Refusal::BadRequest { .. } => StatusCode::BAD_REQUEST,
+            Refusal::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Refusal::UnknownModel(_) | Refusal::NotFound(_) => StatusCode::NOT_FOUND,
+            Refusal::Unauthenticated(_) => StatusCode::UNAUTHORIZED,
+            Refusal::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            Refusal::Governed => StatusCode::from_u16(rec.http_status).unwrap_or(StatusCode::FORBIDDEN),
+        }
+    }
+
+    /// (type, code, param, message) of the OpenAI error object.
+    fn parts(&self, rec: &Record) -> (&'static str, String, Option<String>, String) {
+        match self {
+            Refusal::BadRequest { message, param, code } => {
+                ("invalid_request_error", code.to_string(), param.clone(), message.clone())
+            }
+            Refusal::TooLarge { limit } => (
+                "invalid_request_error",
+                "request_too_large".into(),
+                None,
+                format!("request body is larger than the sidecar's limit of {limit} bytes"),
+            ),
+            Refusal::UnknownModel(m) => (
+                "invalid_request_error",
+                "model_not_found".into(),
+                Some("model".into()),
+                format!("the model `{m}` does not exist: no tollgate route has this alias"),
+            ),
+            Refusal::Unauthenticated(m) => ("authentication_error", "invalid_api_key".into(), None, m.clone()),
+            Refusal::NotFound(p) => {
+                ("invalid_request_error", "unknown_url".into(), None, format!("unknown endpoint: {p}"))
+            }
+            Refusal::MethodNotAllowed => {
+                ("invalid_request_error", "method_not_allowed".into(), None, "method not allowed".into())
+            }
+            Refusal::Governed => {
+                let ty = match (rec.final_action, rec.http_status) {
+                    (FinalAction::Defer, 429) => "rate_limit_exceeded",
+                    (FinalAction::Defer, _) => "service_unavailable",
+                    _ => "insufficient_quota",
+                };
+                (ty, rec.reason_class.as_str().to_ascii_lowercase(), None, explain(rec))
+            }
+        }
+    }
+}
+
+/// A one-line, secret-free explanation of a governed refusal.
+pub fn explain(rec: &Record) -> String {
+    let why = match rec.reason_class {
+        ReasonClass::RateLimited => "a rate limit is full",
+        ReasonClass::QuotaBlocked => "a quota is used up",
+        ReasonClass::HardBudgetExceeded => "the worst case of this request would cross a hard budget",
+        ReasonClass::FallbackOverBudget => "the primary failed and the fallback's worst case does not fit the budget",
+        ReasonClass::CircuitOpen => "the backends' circuits are open",
+        ReasonClass::RetryBudgetExhausted => "the job's retry budget is used up",
+        ReasonClass::UpstreamFailure => "the upstream backends failed",
+        ReasonClass::ModelIneligible => "no backend of this route is configured",
+        ReasonClass::HalfOpenProbe => "a recovering backend failed its probe",
+        ReasonClass::SoftBudgetExceeded => "a soft budget is exceeded",
+        ReasonClass::Unauthenticated => "unauthenticated",
+        ReasonClass::BadRequest => "bad request",
+        ReasonClass::Ok => "refused",
+    };
+    let mut s = format!("tollgate: {} ({})", why, rec.final_action);
+    if let Some(b) = rec.refusals.first() {
+        s.push_str(&format!(
+            "; {} `{}` ({} {}): {} {} used of {}, this request needs {}",
+            b.class, b.name, b.scope, b.id, b.used, b.dim, b.limit, b.asked
+        ));
+    }
+    if let Some(ra) = rec.retry_after {
+        s.push_str(&format!("; retry after {ra} s"));
+    }
+    s
+}
+
+fn tollgate_object(rec: &Record) -> serde_json::Value {
+    json!({
+        "budget_state": rec.budget_state,
+        "quota_state": rec.quota_state,
+        "circuit_state": rec.circuit_state,
+        "retry_state": rec.retry_state,
+        "usage_evidence_state": rec.usage_evidence_state,
+        "fallback_state": rec.fallback_state,
+        "final_action": rec.final_action,
+        "reason_class": rec.reason_class,
+        "request_id": &*rec.request_id,
+        "retry_after": rec.retry_after,
+    })
+}
+
+static H_REQUEST_ID: HeaderName = HeaderName::from_static("x-tollgate-request-id");
+static H_ACTION: HeaderName = HeaderName::from_static("x-tollgate-action");
+static H_REASON: HeaderName = HeaderName::from_static("x-tollgate-reason");
+static H_BACKEND: HeaderName = HeaderName::from_static("x-tollgate-backend");
+static H_VERSION: HeaderName = HeaderName::from_static("x-tollgate-policy-version");
+static H_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining-tokens");
+
+/// The `x-tollgate-*` headers (and `Retry-After`, `x-ratelimit-remaining-tokens`).
+pub fn stamp(h: &mut HeaderMap, rec: &Record, snap: &Snapshot) {
+    if let Ok(v) = HeaderValue::from_str(&rec.request_id) {
+        h.insert(H_REQUEST_ID.clone(), v);
+    }
+    h.insert(H_ACTION.clone(), HeaderValue::from_static(rec.final_action.as_str()));
+    h.insert(H_REASON.clone(), HeaderValue::from_static(rec.reason_class.as_str()));
+    if let Ok(v) = HeaderValue::from_str(&rec.backend) {
+        h.insert(H_BACKEND.clone(), v);
+    }
+    h.insert(H_VERSION.clone(), snap.version_header.clone());
+    if let Some(rem) = rec.remaining_tokens {
+        h.insert(H_REMAINING.clone(), HeaderValue::from(rem));
+    }
+    if let Some(ra) = rec.retry_after {
+        h.insert(http::header::RETRY_AFTER, HeaderValue::from(ra));
+    }
+}
+
+/// The OpenAI-style error response for a refusal, stamped with the record.
+pub fn refusal(r: &Refusal, rec: &Record, snap: &Snapshot) -> Response<Body> {
+    let status = r.status(rec);
+    let (ty, code, param, message) = r.parts(rec);
+    let body = json!({
+        "error": {"message": message, "type": ty, "code": code, "param": param},
+        "tollgate": tollgate_object(rec),
+    });
+    let mut resp = Response::new(full(body.to_string()));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    stamp(resp.headers_mut(), rec, snap);
+    resp
+}
+
+/// The route's static answer as a well-formed completion (or stream), usage zero.
+pub fn static_answer(text: &str, endpoint: Endpoint, stream: bool, rec: &Record, snap: &Snapshot) -> Response<Body> {
+    let created = jiff::Timestamp::now().as_second();
+    let id = format!("tollgate-static-{}", rec.request_id);
+    let model = &*rec.route;
+    let usage = json!({"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0});
+    let (body, ctype) = match (endpoint, stream) {
+        (Endpoint::Completions, false) => (
+            json!({"id": id, "object": "text_completion", "created": created, "model": model,
+                   "choices": [{"index": 0, "text": text, "finish_reason": "stop", "logprobs": null}],
+                   "usage": usage})
+            .to_string(),
+            "application/json",
+        ),
+        (Endpoint::Completions, true) => {
+            let c = json!({"id": id, "object": "text_completion", "created": created, "model": model,
+                           "choices": [{"index": 0, "text": text, "finish_reason": "stop", "logprobs": null}]});
+            (format!("data: {c}\n\ndata: [DONE]\n\n"), "text/event-stream")
+        }
+        (_, false) => (
+            json!({"id": id, "object": "chat.completion", "created": created, "model": model,
+                   "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                "logprobs": null, "finish_reason": "stop"}],
+                   "usage": usage})
+            .to_string(),
+            "application/json",
+        ),
+        (_, true) => {
+            let chunk = |delta: serde_json::Value, finish: serde_json::Value| {
+                json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+                       "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]})
+            };
+            let a = chunk(json!({"role": "assistant", "content": text}), serde_json::Value::Null);
+            let b = chunk(json!({}), json!("stop"));
+            (format!("data: {a}\n\ndata: {b}\n\ndata: [DONE]\n\n"), "text/event-stream")
+        }
+    };
+    let mut resp = Response::new(full(body));
+    resp.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static(ctype));
+    stamp(resp.headers_mut(), rec, snap);
+    resp
+}
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1) and framing headers hyper recomputes.
+pub fn is_hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+            | "content-length"
+            | "host"
+    )
+}

@@ -1,0 +1,140 @@
+//! Listeners and connections: HTTP/1.1 and h2c on the data port, bounded header reads,
+//! graceful drain on shutdown. Also the small admin port (health, readiness).
+
+use super::admin;
+use super::handler::{handle, App};
+use super::snapshot::Snapshot;
+use super::transport::Transport;
+use crate::audit::Audit;
+use crate::governor::Governor;
+use crate::ledger::Ledger;
+use arc_swap::ArcSwap;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+/// Where to listen, overriding the policy (tests bind port 0).
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    pub listen: Option<SocketAddr>,
+    pub admin_listen: Option<SocketAddr>,
+}
+
+/// A running sidecar.
+#[derive(Debug)]
+pub struct Running {
+    pub addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    pub app: Arc<App>,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+async fn bind(opt: Option<SocketAddr>, from_policy: &str) -> std::io::Result<TcpListener> {
+    match opt {
+        Some(a) => TcpListener::bind(a).await,
+        None => TcpListener::bind(from_policy).await,
+    }
+}
+
+/// Binds both ports and starts serving.
+pub async fn start(snap: Snapshot, audit: Audit, opts: Options) -> std::io::Result<Running> {
+    let data = bind(opts.listen, &snap.policy.server.listen).await?;
+    let admin_l = bind(opts.admin_listen, &snap.policy.server.admin_listen).await?;
+    let (addr, admin_addr) = (data.local_addr()?, admin_l.local_addr()?);
+    let header_timeout = snap.policy.server.header_read_timeout;
+    let app = Arc::new(App {
+        snap: ArcSwap::from_pointee(snap),
+        governor: Arc::new(Governor::new(Arc::new(Ledger::new()))),
+        transport: Transport::new(),
+        audit,
+    });
+    let (stop, stop_rx) = watch::channel(false);
+    let a = app.clone();
+    let data_task = tokio::spawn(serve(data, stop_rx.clone(), header_timeout, move |req| handle(a.clone(), req)));
+    let a = app.clone();
+    let admin_task = tokio::spawn(serve(admin_l, stop_rx.clone(), header_timeout, move |req| admin::handle(a.clone(), req)));
+    let sweeper = tokio::spawn(sweep(app.clone(), stop_rx));
+    Ok(Running { addr, admin_addr, app, stop, tasks: vec![data_task, admin_task, sweeper] })
+}
+
+impl Running {
+    /// Stops accepting, lets in-flight requests finish up to the policy's grace, and returns.
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+    }
+}
+
+/// Drops idle job ledgers and ended windows once a minute.
+async fn sweep(app: Arc<App>, mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(60));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                let ttl = app.snap.load().policy.state.job_idle_ttl.as_millis() as i64;
+                app.governor.ledger.sweep(jiff::Timestamp::now().as_millisecond(), ttl);
+            }
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+async fn serve<F, Fut>(listener: TcpListener, mut stop: watch::Receiver<bool>, header_timeout: Duration, svc: F)
+where
+    F: Fn(hyper::Request<hyper::body::Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<hyper::Response<super::respond::Body>, std::convert::Infallible>> + Send + 'static,
+{
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(header_timeout).keep_alive(true);
+    builder.http2().timer(TokioTimer::new()).keep_alive_interval(Some(Duration::from_secs(30)));
+    let graceful = GracefulShutdown::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (stream, _) = match accepted {
+                    Ok(s) => s,
+                    Err(e) => {
+                        // Out of file descriptors and the like: back off, keep serving.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let _ = stream.set_nodelay(true);
+                let svc = svc.clone();
+                let conn = builder.serve_connection(TokioIo::new(stream), service_fn(svc)).into_owned();
+                let conn = graceful.watch(conn);
+                tokio::spawn(async move {
+                    let _ = conn.await;
+                });
+            }
+            _ = stop.changed() => break,
+        }
+    }
+    drop(listener);
+    // In-flight requests finish; idle keep-alive connections close.
+    tokio::select! {
+        _ = graceful.shutdown() => {}
+        _ = tokio::time::sleep(Duration::from_secs(30)) => tracing::warn!("shutdown grace ran out with connections open"),
+    }
+}
+
+/// Loads the policy at `path` and swaps it in whole; the old one stays on any error.
+pub fn reload(app: &App, path: &std::path::Path) -> Result<Arc<str>, String> {
+    let snap = super::snapshot::load(path)?;
+    let version = snap.policy.version.clone();
+    let ids: Vec<Arc<str>> = snap.policy.backends.iter().map(|b| b.id.clone()).collect();
+    app.snap.store(Arc::new(snap));
+    app.governor.retain_circuits(|id| ids.iter().any(|b| &**b == id));
+    Ok(version)
+}

@@ -1,0 +1,206 @@
+//! A governed stream: upstream frames go to the client as they arrive, a meter reads usage
+//! and counts output on the way, and the call is settled exactly once however the stream
+//! ends — completed, upstream error, timeout, over its reservation, or the client gone.
+
+use super::respond::{BoxError, Body};
+use super::snapshot::Snapshot;
+use crate::audit::{Audit, Entry};
+use crate::governor::{BudgetState, Governor, Pending, ReasonClass, Record, UsageEvidence};
+use crate::stream::SseMeter;
+use bytes::Bytes;
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+/// What the stream needs to settle and record the call when it ends.
+pub struct Tail {
+    pub governor: Arc<Governor>,
+    pub snap: Arc<Snapshot>,
+    pub audit: Audit,
+    pub endpoint: &'static str,
+    pub pending: Pending,
+    pub record: Record,
+    pub input_tokens: u64,
+    /// Output tokens reserved for this call (cap × n): the mid-stream guard's bound.
+    pub max_output_total: u64,
+    pub hide_usage: bool,
+    pub started: Instant,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    Complete,
+    UpstreamError,
+    Timeout,
+    OverReservation,
+    ClientGone,
+}
+
+struct Metered {
+    inner: Incoming,
+    meter: SseMeter,
+    tail: Option<Tail>,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+    /// Bytes to send before ending (the rest of the stream, an error event).
+    last: Option<Bytes>,
+    ended: bool,
+}
+
+/// Wraps an upstream stream body.
+pub fn metered(inner: Incoming, tail: Tail, deadline: Instant) -> Body {
+    let meter = SseMeter::new(tail.snap.policy.estimate.tokenizer, tail.hide_usage);
+    Metered {
+        inner,
+        meter,
+        tail: Some(tail),
+        deadline: Box::pin(tokio::time::sleep_until(deadline.into())),
+        last: None,
+        ended: false,
+    }
+    .boxed()
+}
+
+/// Slack over the reserved output before the guard stops a stream: per-chunk counting
+/// over-counts slightly, and a provider that honours the cap must never be cut.
+fn guard_bound(reserved: u64) -> u64 {
+    reserved + reserved / 10 + 16
+}
+
+fn error_event(message: &str, code: &str) -> Bytes {
+    let v = serde_json::json!({"error": {"message": message, "type": "tollgate_stream_error", "code": code, "param": null}});
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+impl Metered {
+    fn settle(&mut self, end: End) {
+        let Some(tail) = self.tail.take() else { return };
+        let Tail { governor, snap, audit, endpoint, pending, mut record, input_tokens, started, .. } = tail;
+        let policy = &snap.policy;
+        let (usage, actual) = self.meter.usage_or_count(input_tokens);
+        let evidence = match end {
+            End::Complete if actual => UsageEvidence::Actual,
+            End::Complete if self.meter.done => UsageEvidence::Estimated,
+            _ => UsageEvidence::Partial,
+        };
+        let backend = policy.backends.get(pending.backend_index()).cloned();
+        governor.settle(policy, &mut record, pending, usage, evidence);
+        match end {
+            End::UpstreamError | End::Timeout => {
+                record.reason_class.note(ReasonClass::UpstreamFailure);
+                if let Some(b) = backend {
+                    let now = jiff::Timestamp::now().as_millisecond();
+                    governor.circuit(&b.id).on_failure(now, &b.circuit, None, None);
+                }
+            }
+            End::OverReservation => {
+                record.budget_state = BudgetState::HardExceeded;
+                record.reason_class.note(ReasonClass::HardBudgetExceeded);
+                record.error = Some("stream stopped: output passed the reserved worst case".into());
+            }
+            End::ClientGone => record.error = Some("client disconnected mid-stream".into()),
+            End::Complete => {}
+        }
+        let entry = Entry {
+            ts: jiff::Timestamp::now().to_string(),
+            endpoint,
+            latency_ms: started.elapsed().as_secs_f64() * 1000.0,
+            record,
+        };
+        // Drop may run outside an async context: hand the record to a task when we can.
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) => {
+                h.spawn(async move { audit.record(entry).await });
+            }
+            Err(_) => tracing::error!("no runtime to write the audit record of a stream"),
+        }
+    }
+
+    fn finish_with(&mut self, end: End, event: Option<Bytes>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let rest = self.meter.flush();
+        self.settle(end);
+        self.ended = true;
+        let mut out = rest.to_vec();
+        if let Some(e) = event {
+            out.extend_from_slice(&e);
+        }
+        if out.is_empty() {
+            Poll::Ready(None)
+        } else {
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from(out)))))
+        }
+    }
+}
+
+impl HttpBody for Metered {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        loop {
+            if let Some(b) = this.last.take() {
+                return Poll::Ready(Some(Ok(Frame::data(b))));
+            }
+            if this.ended {
+                return Poll::Ready(None);
+            }
+            if this.deadline.as_mut().poll(cx).is_ready() {
+                let ev = error_event("the upstream stream exceeded its total timeout", "upstream_timeout");
+                return this.finish_with(End::Timeout, Some(ev));
+            }
+            match Pin::new(&mut this.inner).poll_frame(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(None) => return this.finish_with(End::Complete, None),
+                Poll::Ready(Some(Err(e))) => {
+                    tracing::warn!(error = %e, "upstream stream broke");
+                    let ev = error_event("the upstream stream ended with an error", "upstream_error");
+                    return this.finish_with(End::UpstreamError, Some(ev));
+                }
+                Poll::Ready(Some(Ok(frame))) => {
+                    let Ok(data) = frame.into_data() else { continue };
+                    let out = this.meter.feed(&data);
+                    let bound = this.tail.as_ref().map_or(u64::MAX, |t| guard_bound(t.max_output_total));
+                    if this.meter.usage.is_none() && this.meter.counted_output > bound {
+                        this.last = Some(error_event(
+                            "tollgate stopped the stream: the output passed what was reserved for this call",
+                            "hard_budget_exceeded",
+                        ));
+                        let _ = this.meter.flush();
+                        this.settle(End::OverReservation);
+                        this.ended = true;
+                        if out.is_empty() {
+                            continue;
+                        }
+                        return Poll::Ready(Some(Ok(Frame::data(out))));
+                    }
+                    if out.is_empty() {
+                        continue;
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(out))));
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended && self.last.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}
+
+impl Drop for Metered {
+    fn drop(&mut self) {
+        // Dropped before the end: the client went away. Dropping `inner` cancels the upstream.
+        if self.tail.is_some() {
+            self.settle(End::ClientGone);
+        }
+    }
+}

@@ -1,0 +1,251 @@
+//! The OpenAI SSE meter.
+
+use crate::estimate::{count_output_text, Tokenizer};
+use crate::governor::Usage;
+use bytes::{Bytes, BytesMut};
+use serde::Deserialize;
+
+/// OpenAI's usage object (also what OpenAI-compatible providers send).
+#[derive(Debug, Deserialize, Default, Clone, Copy, PartialEq, Eq)]
+pub struct StreamUsage {
+    #[serde(default)]
+    pub prompt_tokens: Option<u64>,
+    #[serde(default)]
+    pub completion_tokens: Option<u64>,
+    #[serde(default)]
+    pub total_tokens: Option<u64>,
+}
+
+impl StreamUsage {
+    /// Provider usage as input/output. Some providers (Gemini's OpenAI endpoint) count
+    /// thinking only in `total_tokens`: output is never less than total − prompt.
+    pub fn to_usage(self) -> Option<Usage> {
+        let input = self.prompt_tokens?;
+        let completion = self.completion_tokens.unwrap_or(0);
+        let from_total = self.total_tokens.map_or(0, |t| t.saturating_sub(input));
+        Some(Usage { input_tokens: input, output_tokens: completion.max(from_total) })
+    }
+}
+
+#[derive(Deserialize)]
+struct Chunk {
+    #[serde(default)]
+    choices: Option<Vec<ChunkChoice>>,
+    #[serde(default)]
+    usage: Option<StreamUsage>,
+    #[serde(default)]
+    error: Option<serde::de::IgnoredAny>,
+}
+
+#[derive(Deserialize)]
+struct ChunkChoice {
+    #[serde(default)]
+    delta: Option<Delta>,
+    /// Legacy completions stream.
+    #[serde(default)]
+    text: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Delta {
+    #[serde(default)]
+    content: Option<String>,
+    #[serde(default)]
+    reasoning_content: Option<String>,
+    #[serde(default)]
+    tool_calls: Option<Vec<ToolCallDelta>>,
+}
+
+#[derive(Deserialize)]
+struct ToolCallDelta {
+    #[serde(default)]
+    function: Option<FnDelta>,
+}
+
+#[derive(Deserialize)]
+struct FnDelta {
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    arguments: Option<String>,
+}
+
+/// Taps an SSE stream. In pass-through mode every input frame is forwarded as is; in hiding
+/// mode only complete events are forwarded (an event split across frames waits for its end)
+/// so that the usage-only chunk the client did not ask for can be dropped.
+#[derive(Debug)]
+pub struct SseMeter {
+    tok: Tokenizer,
+    hide_usage: bool,
+    /// Bytes of an event not yet complete.
+    partial: BytesMut,
+    /// The last usage seen.
+    pub usage: Option<StreamUsage>,
+    /// Output tokens counted from the text seen so far.
+    pub counted_output: u64,
+    /// `data: [DONE]` was seen.
+    pub done: bool,
+    /// An `error` payload was seen after the 200.
+    pub upstream_error: bool,
+    /// Events parsed.
+    pub events: u64,
+}
+
+fn find_event_end(b: &[u8]) -> Option<usize> {
+    // An event ends at a blank line: "\n\n", "\r\n\r\n" (or the mixed "\n\r\n").
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\n' {
+            if b.get(i + 1) == Some(&b'\n') {
+                return Some(i + 2);
+            }
+            if b.get(i + 1) == Some(&b'\r') && b.get(i + 2) == Some(&b'\n') {
+                return Some(i + 3);
+            }
+        }
+        i += 1;
+    }
+    None
+}
+
+impl SseMeter {
+    pub fn new(tok: Tokenizer, hide_usage: bool) -> Self {
+        SseMeter {
+            tok,
+            hide_usage,
+            partial: BytesMut::new(),
+            usage: None,
+            counted_output: 0,
+            done: false,
+            upstream_error: false,
+            events: 0,
+        }
+    }
+
+    /// Feeds one body frame; returns the bytes to send to the client now.
+    pub fn feed(&mut self, frame: &Bytes) -> Bytes {
+        if !self.hide_usage {
+            self.partial.extend_from_slice(frame);
+            while let Some(end) = find_event_end(&self.partial) {
+                let ev = self.partial.split_to(end);
+                self.inspect(&ev);
+            }
+            return frame.clone();
+        }
+        // Hiding mode: forward complete events only, minus the hidden ones.
+        let zero_copy = self.partial.is_empty();
+        self.partial.extend_from_slice(frame);
+        let mut out = BytesMut::new();
+        let mut all_kept_unchanged = true;
+        let mut consumed = 0usize;
+        while let Some(end) = find_event_end(&self.partial[consumed..]) {
+            let ev = &self.partial[consumed..consumed + end];
+            let ev_owned = Bytes::copy_from_slice(ev);
+            consumed += end;
+            match self.inspect(&ev_owned) {
+                Keep::Unchanged => out.extend_from_slice(&ev_owned),
+                Keep::Rewritten(b) => {
+                    all_kept_unchanged = false;
+                    out.extend_from_slice(&b);
+                }
+                Keep::Drop => all_kept_unchanged = false,
+            }
+        }
+        let _ = self.partial.split_to(consumed);
+        if zero_copy && all_kept_unchanged && self.partial.is_empty() {
+            return frame.clone();
+        }
+        out.freeze()
+    }
+
+    /// Whatever is left when the upstream ends (an event without its blank line).
+    pub fn flush(&mut self) -> Bytes {
+        let rest = self.partial.split().freeze();
+        if !rest.is_empty() {
+            self.inspect(&rest);
+        }
+        if self.hide_usage {
+            rest
+        } else {
+            Bytes::new()
+        }
+    }
+
+    /// The usage to commit: the provider's last, else the sidecar's count (`input` estimated).
+    pub fn usage_or_count(&self, input_estimate: u64) -> (Usage, bool) {
+        match self.usage.and_then(StreamUsage::to_usage) {
+            Some(u) => (u, true),
+            None => (Usage { input_tokens: input_estimate, output_tokens: self.counted_output }, false),
+        }
+    }
+
+    fn inspect(&mut self, ev: &[u8]) -> Keep {
+        let mut data: Vec<u8> = Vec::new();
+        for line in ev.split(|&b| b == b'\n') {
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            if let Some(rest) = line.strip_prefix(b"data:") {
+                if !data.is_empty() {
+                    data.push(b'\n');
+                }
+                data.extend_from_slice(rest.strip_prefix(b" ").unwrap_or(rest));
+            }
+        }
+        if data.is_empty() {
+            return Keep::Unchanged;
+        }
+        self.events += 1;
+        if data == b"[DONE]" {
+            self.done = true;
+            return Keep::Unchanged;
+        }
+        let Ok(chunk) = serde_json::from_slice::<Chunk>(&data) else {
+            return Keep::Unchanged;
+        };
+        if chunk.error.is_some() {
+            self.upstream_error = true;
+        }
+        if let Some(u) = chunk.usage {
+            self.usage = Some(u);
+        }
+        let mut empty_choices = true;
+        for c in chunk.choices.iter().flatten() {
+            empty_choices = false;
+            if let Some(t) = &c.text {
+                self.counted_output += count_output_text(self.tok, t);
+            }
+            if let Some(d) = &c.delta {
+                for s in [&d.content, &d.reasoning_content].into_iter().flatten() {
+                    self.counted_output += count_output_text(self.tok, s);
+                }
+                for tc in d.tool_calls.iter().flatten() {
+                    if let Some(f) = &tc.function {
+                        for s in [&f.name, &f.arguments].into_iter().flatten() {
+                            self.counted_output += count_output_text(self.tok, s);
+                        }
+                    }
+                }
+            }
+        }
+        if !self.hide_usage {
+            return Keep::Unchanged;
+        }
+        if chunk.usage.is_some() && empty_choices && chunk.choices.is_some() {
+            return Keep::Drop;
+        }
+        // The client did not ask for usage: drop the `"usage":null` the upstream added.
+        const NULL_USAGE: &[u8] = b",\"usage\":null";
+        if let Some(pos) = ev.windows(NULL_USAGE.len()).position(|w| w == NULL_USAGE) {
+            let mut b = BytesMut::with_capacity(ev.len());
+            b.extend_from_slice(&ev[..pos]);
+            b.extend_from_slice(&ev[pos + NULL_USAGE.len()..]);
+            return Keep::Rewritten(b.freeze());
+        }
+        Keep::Unchanged
+    }
+}
+
+enum Keep {
+    Unchanged,
+    Rewritten(Bytes),
+    Drop,
+}
