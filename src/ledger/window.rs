@@ -15,13 +15,12 @@ pub struct WindowKey {
 
 fn floor(dt: DateTime, w: Window) -> DateTime {
     let (y, mo, d, h, mi) = (dt.year(), dt.month(), dt.day(), dt.hour(), dt.minute());
-    let f = match w {
+    match w {
         Window::Minute => jiff::civil::datetime(y, mo, d, h, mi, 0, 0),
         Window::Hour => jiff::civil::datetime(y, mo, d, h, 0, 0, 0),
         Window::Day => jiff::civil::datetime(y, mo, d, 0, 0, 0, 0),
         Window::Month => jiff::civil::datetime(y, mo, 1, 0, 0, 0, 0),
-    };
-    f
+    }
 }
 
 fn step(dt: DateTime, w: Window) -> DateTime {
@@ -64,70 +63,91 @@ fn next_transition(tz: &TimeZone, secs: i64) -> Option<i64> {
 /// Bound on offset transitions looked at around one window (a handful at most in practice).
 const MAX_HOPS: usize = 16;
 
+/// An instant with its offset and the transitions around it, looked up once and shared by
+/// the four window kinds.
+#[derive(Debug, Clone, Copy)]
+struct Here {
+    secs: i64,
+    off: i64,
+    /// Latest transition at or before `secs`.
+    prev: Option<i64>,
+    /// First transition after `secs`.
+    next: Option<i64>,
+}
+
+impl Here {
+    fn at(tz: &TimeZone, secs: i64) -> Self {
+        Here { secs, off: offset_at(tz, secs), prev: prev_transition(tz, secs), next: next_transition(tz, secs) }
+    }
+
+    fn floor(&self, w: Window) -> DateTime {
+        floor(Offset::UTC.to_datetime(ts(self.secs.saturating_add(self.off))), w)
+    }
+}
+
 /// A window is a maximal stretch of time during which the local clock's floor to the window
-/// kind (`f`) stays the same. Its start is the first instant of that stretch, found from
-/// `secs` (an instant inside it) walking back over offset transitions. Going by the clock
-/// and not by resolving `f` once matters when clocks are set back: the minute 01:30 occurs
-/// twice in a fold and each occurrence is its own window; a day or (with a one-hour fold) an
-/// hour stays one longer window. A boundary in a DST gap starts at the end of the gap.
-fn start_of(tz: &TimeZone, w: Window, f: DateTime, secs: i64) -> i64 {
+/// kind (`f`) stays the same. Its start is the first instant of that stretch, found from an
+/// instant inside it walking back over offset transitions. Going by the clock and not by
+/// resolving `f` once matters when clocks are set back: the minute 01:30 occurs twice in a
+/// fold and each occurrence is its own window; a day or (with a one-hour fold) an hour stays
+/// one longer window. A boundary in a DST gap starts at the end of the gap.
+fn start_of(tz: &TimeZone, w: Window, f: DateTime, h: Here) -> i64 {
     let f_ls = local_secs(f);
-    let mut t = secs;
-    let mut cand = f_ls - offset_at(tz, t);
+    let (mut off, mut prev) = (h.off, h.prev);
     for _ in 0..MAX_HOPS {
-        cand = f_ls - offset_at(tz, t);
-        match prev_transition(tz, t) {
+        let cand = f_ls - off;
+        match prev {
             Some(p) if cand <= p => {
                 if floor_at(tz, w, p - 1) != f {
                     return p;
                 }
-                t = p - 1;
+                off = offset_at(tz, p - 1);
+                prev = prev_transition(tz, p - 1);
             }
             _ => return cand,
         }
     }
-    cand
+    f_ls - off
 }
 
-/// The first instant after `secs` (inside the window with floor `f`) at which the local
+/// The first instant after `h` (inside the window with floor `f`) at which the local
 /// clock's floor is no longer `f`, walking forward over offset transitions.
-fn end_of(tz: &TimeZone, w: Window, f: DateTime, secs: i64) -> i64 {
+fn end_of(tz: &TimeZone, w: Window, f: DateTime, h: Here) -> i64 {
     let next_ls = local_secs(step(f, w));
-    let mut t = secs;
-    let mut cand = next_ls - offset_at(tz, t);
+    let (mut off, mut next) = (h.off, h.next);
     for _ in 0..MAX_HOPS {
-        cand = next_ls - offset_at(tz, t);
-        match next_transition(tz, t) {
+        let cand = next_ls - off;
+        match next {
             Some(n) if cand >= n => {
                 if floor_at(tz, w, n) != f {
                     return n;
                 }
-                t = n;
+                off = offset_at(tz, n);
+                next = next_transition(tz, n);
             }
             _ => return cand,
         }
     }
-    cand
+    next_ls - off
 }
 
-/// The window of kind `w` containing `now` and its end in ms; `start <= now < end` always.
-fn resolve(tz: &TimeZone, w: Window, now: Millis) -> (WindowKey, Millis) {
-    let secs = now.div_euclid(1000);
-    let f = floor_at(tz, w, secs);
-    let start = start_of(tz, w, f, secs);
-    let end = end_of(tz, w, f, secs);
+/// The window of kind `w` containing `h` and its end in ms; `start <= now < end` always.
+fn resolve(tz: &TimeZone, w: Window, h: Here) -> (WindowKey, Millis) {
+    let f = h.floor(w);
+    let start = start_of(tz, w, f, h);
+    let end = end_of(tz, w, f, h);
     (WindowKey { window: w, start }, end.saturating_mul(1000))
 }
 
 /// The window of kind `w` that contains `now`.
 pub fn window_at(tz: &TimeZone, w: Window, now: Millis) -> WindowKey {
-    resolve(tz, w, now).0
+    resolve(tz, w, Here::at(tz, now.div_euclid(1000))).0
 }
 
 /// When window `k` ends (the next one starts), in ms since epoch.
 pub fn window_end(tz: &TimeZone, k: WindowKey) -> Millis {
-    let f = floor_at(tz, k.window, k.start);
-    end_of(tz, k.window, f, k.start).saturating_mul(1000)
+    let h = Here::at(tz, k.start);
+    end_of(tz, k.window, h.floor(k.window), h).saturating_mul(1000)
 }
 
 /// The four current windows at one instant, computed once per request.
@@ -140,7 +160,8 @@ pub struct WindowSet {
 impl WindowSet {
     pub fn at(tz: &TimeZone, now: Millis) -> Self {
         let ws = [Window::Minute, Window::Hour, Window::Day, Window::Month];
-        let both = ws.map(|w| resolve(tz, w, now));
+        let h = Here::at(tz, now.div_euclid(1000));
+        let both = ws.map(|w| resolve(tz, w, h));
         WindowSet { keys: both.map(|b| b.0), ends: both.map(|b| b.1) }
     }
 
