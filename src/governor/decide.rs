@@ -261,7 +261,8 @@ impl Governor {
                         }
                         self.finish_counts(&mut rec, &job, sum_worst, primary_worst);
                         let parts = all.into_iter().cloned().collect();
-                        let pending = Pending { reservation, parts, backend_index: entry.backend };
+                        let forget_job = ctx.ephemeral_job().then(|| ctx.job_id.clone());
+                        let pending = Pending { reservation, parts, backend_index: entry.backend, forget_job };
                         return Outcome { record: rec, served: Served::Upstream { payload, pending } };
                     }
                     CallResult::NotRetryable { payload, status } => {
@@ -276,6 +277,7 @@ impl Governor {
                         rec.reason_class.note(ReasonClass::UpstreamFailure);
                         rec.http_status = status;
                         self.finish_counts(&mut rec, &job, sum_worst, primary_worst);
+                        self.end_job(ctx);
                         return Outcome { record: rec, served: Served::Passthrough { payload } };
                     }
                     CallResult::Failed(f) => {
@@ -325,6 +327,7 @@ impl Governor {
 
         // Nothing served.
         self.finish_counts(&mut rec, &job, sum_worst, primary_worst);
+        self.end_job(ctx);
         if !walk.any_eligible && rec.reason_class == ReasonClass::Ok {
             rec.reason_class = ReasonClass::ModelIneligible;
         }
@@ -370,6 +373,12 @@ impl Governor {
             rec.http_status = 403;
         }
         Outcome { record: rec, served: Served::Refused }
+    }
+
+    fn end_job(&self, ctx: &RequestCtx) {
+        if ctx.ephemeral_job() {
+            self.ledger.forget_job(&ctx.job_id);
+        }
     }
 
     fn finish_counts(&self, rec: &mut Record, job: &crate::ledger::JobLedger, sum_worst: u64, primary_worst: u64) {

@@ -38,6 +38,14 @@ pub struct RequestCtx {
     pub static_ok: bool,
 }
 
+impl RequestCtx {
+    /// A job the app did not declare is this one request: its ledger ends with it, so
+    /// undeclared jobs never pile up in memory.
+    pub fn ephemeral_job(&self) -> bool {
+        self.job_id == self.request_id
+    }
+}
+
 /// A served call whose usage is not yet known: the reservation is still held. Dropping it
 /// releases the worst case (the guard); [`Governor::settle`] commits the actual.
 #[derive(Debug)]
@@ -45,6 +53,8 @@ pub struct Pending {
     reservation: Reservation,
     parts: Vec<PartInfo>,
     backend_index: usize,
+    /// The job to forget once settled (an undeclared, one-request job).
+    forget_job: Option<Arc<str>>,
 }
 
 impl Pending {

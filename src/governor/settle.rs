@@ -16,7 +16,7 @@ pub struct Usage {
 impl Governor {
     /// Commits the actual usage of a served call and finishes its record.
     pub fn settle(&self, policy: &Policy, rec: &mut Record, pending: Pending, usage: Usage, evidence: UsageEvidence) {
-        let Pending { reservation, parts, backend_index } = pending;
+        let Pending { reservation, parts, backend_index, forget_job } = pending;
         let price = policy.backends.get(backend_index).map(|b| b.price).unwrap_or_default();
         let actual = Amount {
             tokens: usage.input_tokens + usage.output_tokens,
@@ -48,6 +48,9 @@ impl Governor {
                     }
                 }
             }
+        }
+        if let Some(job) = forget_job {
+            self.ledger.forget_job(&job);
         }
         if soft {
             if rec.budget_state == BudgetState::Ok {

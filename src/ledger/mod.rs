@@ -177,6 +177,13 @@ impl Ledger {
         self.jobs.insert(id, Arc::new(JobLedger::new(attempts, fallbacks, now)));
     }
 
+    /// Drops a job's ledger and its job-scoped counter (a job that was only one request).
+    pub fn forget_job(&self, id: &Arc<str>) {
+        self.jobs.remove(id);
+        let key = CounterKey { scope: Scope::Job, id: id.clone(), window: None };
+        self.counters.remove_if(&key, |_, c| c.reserved() == Amount::ZERO);
+    }
+
     pub fn job_count(&self) -> usize {
         self.jobs.len()
     }

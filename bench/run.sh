@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Loopback load bench: direct-to-upstream, nginx as a bare reverse proxy, and tollgate with a
+# realistic policy (bench/policy.yaml), each at 16 and 64 connections with wrk (one thread),
+# three passes, the median pass (by requests/s) reported. Bounded: 3 × 2 × 3 runs of $DUR.
+#   bench/run.sh            (DUR=10s by default; needs nginx and wrk: apt-get install nginx wrk)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DUR=${DUR:-10s}
+PASSES=${PASSES:-3}
+TICK=$(getconf CLK_TCK)
+command -v wrk >/dev/null && command -v nginx >/dev/null || { echo "needs wrk and nginx (apt-get install wrk nginx)"; exit 2; }
+cargo build --release --quiet
+
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+
+nginx -c "$PWD/bench/nginx-mock.conf" -p /tmp & pids+=($!)
+nginx -c "$PWD/bench/nginx-proxy.conf" -p /tmp & pids+=($!)
+TOLLGATE_LOG=warn ./target/release/tollgate serve --policy bench/policy.yaml & TG=$!; pids+=($TG)
+sleep 1.5
+NGINX_PROXY=$(cat /tmp/tollgate-bench-proxy.pid)
+
+# CPU ticks (user+system) of a process and its children processes (nginx workers).
+cpu_ticks() {
+  local total=0 p
+  for p in "$@" $(pgrep -P "$1" 2>/dev/null || true); do
+    [ -r "/proc/$p/stat" ] || continue
+    total=$(( total + $(awk '{print $14 + $15}' "/proc/$p/stat") ))
+  done
+  echo "$total"
+}
+
+run() { # name url pid connections -> "rps p50 p99 cpu_us_per_req errors"
+  local name=$1 url=$2 pid=$3 c=$4
+  local before after out
+  before=$([ "$pid" = - ] && echo 0 || cpu_ticks "$pid")
+  out=$(wrk -t1 -c"$c" -d"$DUR" -s bench/post.lua "$url" | grep '^RESULT')
+  after=$([ "$pid" = - ] && echo 0 || cpu_ticks "$pid")
+  eval "$(echo "$out" | sed 's/^RESULT //; s/ /;/g')"
+  local secs rps cpu
+  secs=$(awk -v d="$duration_us" 'BEGIN{print d/1e6}')
+  rps=$(awk -v r="$requests" -v s="$secs" 'BEGIN{printf "%.0f", r/s}')
+  cpu=$(awk -v a="$after" -v b="$before" -v t="$TICK" -v r="$requests" 'BEGIN{ if (r==0) print "n/a"; else printf "%.1f", (a-b)/t*1e6/r}')
+  echo "$rps $p50_us $p99_us $cpu $errors"
+}
+
+echo "| target | conns | req/s | p50 µs | p99 µs | proxy CPU µs/req | errors |"
+echo "| --- | --- | --- | --- | --- | --- | --- |"
+for target in direct nginx tollgate; do
+  case $target in
+    direct) url=http://127.0.0.1:18080/v1/chat/completions; pid=- ;;
+    nginx) url=http://127.0.0.1:18090/v1/chat/completions; pid=$NGINX_PROXY ;;
+    tollgate) url=http://127.0.0.1:18787/v1/chat/completions; pid=$TG ;;
+  esac
+  for c in 16 64; do
+    results=()
+    for _ in $(seq "$PASSES"); do results+=("$(run "$target" "$url" "$pid" "$c")"); done
+    median=$(printf '%s\n' "${results[@]}" | sort -n -k1 | sed -n "$(( (PASSES + 1) / 2 ))p")
+    read -r rps p50 p99 cpu errors <<<"$median"
+    echo "| $target | $c | $rps | $p50 | $p99 | $cpu | $errors |"
+  done
+done
+echo
+echo "tollgate RSS after the runs: $(awk '/VmRSS/{print $2, $3}' /proc/$TG/status)"
