@@ -67,7 +67,7 @@ impl Governor {
             route.model.clone(),
         );
         let start = clock.now_ms();
-        let windows = WindowSet::at(&policy.windows.timezone, start);
+        let windows = self.windows_at(&policy.windows, start);
         let who = Who { request_id: &ctx.request_id, job_id: &ctx.job_id, consumer: &ctx.consumer };
         let req_parts = plan::request_parts(policy, &windows, &self.ledger, &who);
         let job = self.ledger.job(&ctx.job_id, start);

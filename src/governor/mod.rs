@@ -17,7 +17,8 @@ pub use record::*;
 pub use settle::Usage;
 pub use upstream::{CallResult, CallSpec, Clock, Failure, FailureClass, SystemClock, Upstream};
 
-use crate::ledger::{Ledger, Reservation};
+use crate::ledger::{Ledger, Reservation, WindowSet};
+use arc_swap::ArcSwapOption;
 use dashmap::DashMap;
 use plan::PartInfo;
 use std::sync::Arc;
@@ -92,11 +93,25 @@ pub struct Outcome<T> {
 pub struct Governor {
     pub ledger: Arc<Ledger>,
     circuits: DashMap<Arc<str>, Arc<Circuit>>,
+    /// The current windows, recomputed only when the minute turns (or the zone changes).
+    windows: ArcSwapOption<(String, WindowSet)>,
 }
 
 impl Governor {
     pub fn new(ledger: Arc<Ledger>) -> Self {
-        Governor { ledger, circuits: DashMap::new() }
+        Governor { ledger, circuits: DashMap::new(), windows: ArcSwapOption::empty() }
+    }
+
+    /// The calendar windows at `now` in the policy's zone, cached until the minute turns.
+    pub fn windows_at(&self, cfg: &crate::policy::WindowsCfg, now: crate::units::Millis) -> WindowSet {
+        if let Some(c) = &*self.windows.load() {
+            if c.0 == cfg.timezone_name && c.1.holds_at(now) {
+                return c.1;
+            }
+        }
+        let set = WindowSet::at(&cfg.timezone, now);
+        self.windows.store(Some(Arc::new((cfg.timezone_name.clone(), set))));
+        set
     }
 
     /// The circuit of a backend, created CLOSED on first use.

@@ -1,5 +1,10 @@
 //! Calendar windows: minute, hour, day and month turn over at local boundaries of the
 //! policy's time zone (a day quota resets at local midnight, not at UTC midnight).
+//!
+//! A window is a maximal stretch of time during which the local clock floored to the window
+//! kind stays the same, so windows tile time without gap or overlap even across DST: a day
+//! can be 23 or 25 hours, the minutes of a repeated hour are new windows, and a boundary that
+//! falls in a DST gap is the end of the gap.
 
 use crate::units::{Millis, Window};
 use jiff::civil::DateTime;
@@ -151,7 +156,7 @@ pub fn window_end(tz: &TimeZone, k: WindowKey) -> Millis {
 }
 
 /// The four current windows at one instant, computed once per request.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WindowSet {
     keys: [WindowKey; 4],
     ends: [Millis; 4],
@@ -176,6 +181,11 @@ impl WindowSet {
 
     pub fn key(&self, w: Window) -> WindowKey {
         self.keys[Self::idx(w)]
+    }
+
+    /// Whether this set still describes `now` (no window has turned over).
+    pub fn holds_at(&self, now: Millis) -> bool {
+        now >= self.keys[0].start.saturating_mul(1000) && now < self.ends[0]
     }
 
     /// End of the current window of kind `w`, ms since epoch.
