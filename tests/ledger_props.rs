@@ -7,6 +7,8 @@
 //! the outstanding reservations. A reservation must succeed exactly when the model says it
 //! fits on every part, and a refusal must name the first part and dimension that does not.
 
+#![allow(clippy::needless_range_loop)] // per-dimension loops over [u64; 3] read best indexed
+
 use proptest::prelude::*;
 use std::sync::Arc;
 use tollgate::ledger::*;
@@ -215,7 +217,14 @@ impl World {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(512))]
+    // Failures are persisted next to this file: tests/ledger_props.proptest-regressions.
+    #![proptest_config(ProptestConfig {
+        cases: 1024,
+        failure_persistence: Some(Box::new(
+            proptest::test_runner::FileFailurePersistence::WithSource("proptest-regressions"),
+        )),
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn interleaved_operations_keep_the_books(

@@ -85,7 +85,7 @@ fn eight_threads_never_cross_the_shared_hard_limit() {
                     break;
                 }
                 std::hint::spin_loop();
-                if n % 64 == 0 {
+                if n.is_multiple_of(64) {
                     std::thread::yield_now();
                 }
             }
@@ -105,7 +105,7 @@ fn eight_threads_never_cross_the_shared_hard_limit() {
                     // Up to HELD reservations in flight per thread; a new one settles a
                     // random held one first, so that many are in flight near the limit.
                     let mut held: Vec<Reservation> = Vec::with_capacity(HELD);
-                    let mut settle = |r: Reservation, rng: &mut Rng, tot: &mut ThreadTotals| {
+                    let settle = |r: Reservation, rng: &mut Rng, tot: &mut ThreadTotals| {
                         let amount = r.amount();
                         match rng.below(4) {
                             0 => r.release(),
@@ -154,9 +154,10 @@ fn eight_threads_never_cross_the_shared_hard_limit() {
                 })
             })
             .collect();
-        let totals = workers.into_iter().map(|h| h.join().unwrap()).collect();
+        // Stop the watcher whatever the workers did, then fail on any worker's panic.
+        let results: Vec<_> = workers.into_iter().map(|h| h.join()).collect();
         done.store(true, Ordering::Release);
-        totals
+        results.into_iter().map(|r| r.unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
     });
 
     let sum: [u64; 3] =

@@ -180,8 +180,9 @@ impl Ledger {
     /// Drops a job's ledger and its job-scoped counter (a job that was only one request).
     pub fn forget_job(&self, id: &Arc<str>) {
         self.jobs.remove(id);
-        let key = CounterKey { scope: Scope::Job, id: id.clone(), window: None };
-        self.counters.remove_if(&key, |_, c| c.reserved() == Amount::ZERO);
+        // Unconditionally: a reservation still held (a concurrent request reusing the id)
+        // settles into its own Arc of the counter; nothing is left behind in the map.
+        self.counters.remove(&CounterKey { scope: Scope::Job, id: id.clone(), window: None });
     }
 
     pub fn job_count(&self) -> usize {

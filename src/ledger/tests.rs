@@ -556,6 +556,27 @@ fn sweep_keeps_an_idle_job_whose_counter_holds_a_reservation() {
     assert_eq!(l.counter_count(), 0);
 }
 
+#[test]
+fn forget_job_drops_the_job_and_its_idle_counter() {
+    let l = Ledger::new();
+    let id: Arc<str> = Arc::from("one-shot");
+    let k = key(Scope::Job, "one-shot");
+    l.job(&id, 0);
+    let c = l.counter(&k, i64::MAX);
+    let r = l.reserve(&[part(&c, unlimited())], amt(10, 1, 1)).unwrap();
+    r.commit(amt(4, 1, 1));
+    l.forget_job(&id);
+    assert_eq!(l.job_count(), 0);
+    assert!(l.get(&k).is_none());
+    // A counter still holding a reservation is not dropped under the call.
+    l.job(&id, 0);
+    let c = l.counter(&k, i64::MAX);
+    let r = l.reserve(&[part(&c, unlimited())], amt(10, 1, 1)).unwrap();
+    l.forget_job(&id);
+    assert!(l.get(&k).is_some());
+    drop(r);
+}
+
 // ---------------------------------------------------------------------------------------
 // windows
 
@@ -755,4 +776,40 @@ fn windows_tile_time_across_dst_transitions() {
             t += 433_000;
         }
     }
+}
+
+/// Every zone in the bundled database, around its transitions (modern and historical ones,
+/// including odd offsets in seconds): windows contain the instant, follow each other without
+/// gap or overlap, and agree between the three entry points.
+#[test]
+fn windows_tile_time_around_transitions_in_every_zone() {
+    let names: Vec<String> = jiff::tz::db().available().map(|n| n.to_string()).collect();
+    assert!(names.len() > 300, "bundled tz database expected");
+    let mut checked = 0u64;
+    for name in &names {
+        let z = tz(name);
+        let mut instants = Vec::new();
+        for from in ["1900-01-01T00:00:00Z", "1975-01-01T00:00:00Z", "2024-01-01T00:00:00Z"] {
+            for t in z.following(from.parse().unwrap()).take(2) {
+                let t = t.timestamp().as_millisecond();
+                for d in [-3_600_000, -60_000, -1_000, -1, 0, 1, 59_999, 1_800_000, 5_400_000] {
+                    instants.push(t + d);
+                }
+            }
+        }
+        for t in instants {
+            let set = WindowSet::at(&z, t);
+            for w in [Window::Minute, Window::Hour, Window::Day, Window::Month] {
+                let k = window_at(&z, w, t);
+                let end = window_end(&z, k);
+                assert!(k.start * 1000 <= t && t < end, "{name} {w} at {t}: {k:?} .. {end}");
+                assert_eq!((set.key(w), set.end(w)), (k, end), "{name} {w} at {t}");
+                assert_eq!(window_at(&z, w, end).start * 1000, end, "{name} {w} at {t}: next starts at end");
+                assert_eq!(window_at(&z, w, end - 1), k, "{name} {w} at {t}: last ms inside");
+                assert_eq!(window_at(&z, w, k.start * 1000), k, "{name} {w} at {t}: first ms inside");
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 10_000);
 }

@@ -205,7 +205,7 @@ async fn governed(app: &App, snap: Arc<Snapshot>, endpoint: Endpoint, req: Reque
             resp
         }
         Served::Static(text) => {
-            let resp = respond::static_answer(&text, endpoint, est.stream, &rec, &snap);
+            let resp = respond::static_answer(&text, endpoint, est.stream, est.include_usage, &rec, &snap);
             finish(app, endpoint, rec, t0).await;
             resp
         }

@@ -158,9 +158,12 @@ pub fn stamp(h: &mut HeaderMap, rec: &Record, snap: &Snapshot) {
 pub fn refusal(r: &Refusal, rec: &Record, snap: &Snapshot) -> Response<Body> {
     let status = r.status(rec);
     let (ty, code, param, message) = r.parts(rec);
+    // The decision sits beside `error` (SPEC §3) and inside it too: SDKs keep only the
+    // `error` object as the exception's body (`e.body["tollgate"]` in the OpenAI SDKs).
+    let t = tollgate_object(rec);
     let body = json!({
-        "error": {"message": message, "type": ty, "code": code, "param": param},
-        "tollgate": tollgate_object(rec),
+        "error": {"message": message, "type": ty, "code": code, "param": param, "tollgate": t.clone()},
+        "tollgate": t,
     });
     let mut resp = Response::new(full(body.to_string()));
     *resp.status_mut() = status;
@@ -170,7 +173,14 @@ pub fn refusal(r: &Refusal, rec: &Record, snap: &Snapshot) -> Response<Body> {
 }
 
 /// The route's static answer as a well-formed completion (or stream), usage zero.
-pub fn static_answer(text: &str, endpoint: Endpoint, stream: bool, rec: &Record, snap: &Snapshot) -> Response<Body> {
+pub fn static_answer(
+    text: &str,
+    endpoint: Endpoint,
+    stream: bool,
+    include_usage: bool,
+    rec: &Record,
+    snap: &Snapshot,
+) -> Response<Body> {
     let created = jiff::Timestamp::now().as_second();
     let id = format!("tollgate-static-{}", rec.request_id);
     let model = &*rec.route;
@@ -203,7 +213,14 @@ pub fn static_answer(text: &str, endpoint: Endpoint, stream: bool, rec: &Record,
             };
             let a = chunk(json!({"role": "assistant", "content": text}), serde_json::Value::Null);
             let b = chunk(json!({}), json!("stop"));
-            (format!("data: {a}\n\ndata: {b}\n\ndata: [DONE]\n\n"), "text/event-stream")
+            let mut s = format!("data: {a}\n\ndata: {b}\n\n");
+            if include_usage {
+                let u = json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+                               "choices": [], "usage": usage});
+                s.push_str(&format!("data: {u}\n\n"));
+            }
+            s.push_str("data: [DONE]\n\n");
+            (s, "text/event-stream")
         }
     };
     let mut resp = Response::new(full(body));
