@@ -229,3 +229,24 @@ async fn static_answer_streams_and_refusals_are_plain_json() {
     assert_eq!(v["tollgate"]["reason_class"], "HARD_BUDGET_EXCEEDED");
     r.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2c_prior_knowledge_is_served() {
+    let mock = MockUpstream::start_with_default(vec![], Answer::ok_chat("over h2", 5, 2)).await;
+    let r = sidecar(&policy(&[("a", &mock.base_url())], "")).await;
+    let client: hyper_util::client::legacy::Client<_, http_body_util::Full<bytes::Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .http2_only(true)
+            .build_http();
+    let body = json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]});
+    let req = http::Request::post(format!("http://{}/v1/chat/completions", r.addr))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(body.to_string())))
+        .expect("request");
+    let resp = client.request(req).await.expect("h2c response");
+    assert_eq!(resp.version(), http::Version::HTTP_2);
+    assert_eq!(resp.status(), 200);
+    let b = resp.into_body().collect().await.expect("body").to_bytes();
+    assert!(String::from_utf8_lossy(&b).contains("over h2"));
+    r.shutdown().await;
+}

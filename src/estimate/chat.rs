@@ -17,7 +17,7 @@
 //! tokens of its compact JSON.
 
 use super::count::{count_text, json_fallback_tokens, json_tokens};
-use super::error::EstimateError;
+use super::error::{EstimateError, Param};
 use super::images::image_part_tokens;
 use super::tools::tools_tokens;
 use crate::policy::Tokenizer;
@@ -31,11 +31,19 @@ pub const TOKENS_PER_NAME: u64 = 1;
 pub const REPLY_PRIMING_TOKENS: u64 = 3;
 
 /// All prompt tokens of a chat body: messages, reply priming, tools, response schema.
-pub(crate) fn chat_input_tokens(tok: Tokenizer, body: &Map<String, Value>) -> Result<u64, EstimateError> {
+pub(crate) fn chat_input_tokens(
+    tok: Tokenizer,
+    body: &Map<String, Value>,
+) -> Result<u64, EstimateError> {
     let messages = match body.get("messages") {
         None | Some(Value::Null) => return Err(EstimateError::missing("messages")),
         Some(Value::Array(m)) => m,
-        Some(_) => return Err(EstimateError::wrong_type("messages", "an array of message objects")),
+        Some(_) => {
+            return Err(EstimateError::wrong_type(
+                "messages",
+                "an array of message objects",
+            ))
+        }
     };
     if messages.is_empty() {
         return Err(EstimateError::out_of_range(
@@ -55,26 +63,27 @@ pub(crate) fn chat_input_tokens(tok: Tokenizer, body: &Map<String, Value>) -> Re
 
 /// One message, including its 3 framing tokens.
 fn message_tokens(tok: Tokenizer, message: &Value, index: usize) -> Result<u64, EstimateError> {
-    let param = format!("messages.[{index}]");
+    let messages = Param::root("messages");
+    let param = messages.index(index);
     let Value::Object(message) = message else {
         return Err(EstimateError::wrong_type(param, "an object"));
     };
     match message.get("role") {
         Some(Value::String(_)) => {}
-        None | Some(Value::Null) => return Err(EstimateError::missing(format!("{param}.role"))),
-        Some(_) => return Err(EstimateError::wrong_type(format!("{param}.role"), "a string")),
+        None | Some(Value::Null) => return Err(EstimateError::missing(param.key("role"))),
+        Some(_) => return Err(EstimateError::wrong_type(param.key("role"), "a string")),
     }
     let mut n = TOKENS_PER_MESSAGE;
     for (key, value) in message {
         let field = match (key.as_str(), value) {
             (_, Value::Null) => 0,
-            ("content", v) => content_tokens(tok, v, &format!("{param}.content"))?,
+            ("content", v) => content_tokens(tok, v, param.key("content"))?,
             ("name", Value::String(s)) => count_text(tok, s).saturating_add(TOKENS_PER_NAME),
-            ("tool_calls", v) => tool_calls_tokens(tok, v, &format!("{param}.tool_calls"))?,
+            ("tool_calls", v) => tool_calls_tokens(tok, v, param.key("tool_calls"))?,
             ("function_call", Value::Object(call)) => function_call_tokens(tok, call, value),
             (_, Value::String(s)) => count_text(tok, s),
             ("name" | "tool_call_id", _) => {
-                return Err(EstimateError::wrong_type(format!("{param}.{key}"), "a string"))
+                return Err(EstimateError::wrong_type(param.key(key), "a string"))
             }
             (_, other) => json_fallback_tokens(other),
         };
@@ -84,37 +93,46 @@ fn message_tokens(tok: Tokenizer, message: &Value, index: usize) -> Result<u64, 
 }
 
 /// A message's `content`: string, or array of typed parts.
-fn content_tokens(tok: Tokenizer, content: &Value, param: &str) -> Result<u64, EstimateError> {
+fn content_tokens(tok: Tokenizer, content: &Value, param: Param<'_>) -> Result<u64, EstimateError> {
     let parts = match content {
         Value::Null => return Ok(0),
         Value::String(s) => return Ok(count_text(tok, s)),
         Value::Array(parts) => parts,
-        _ => return Err(EstimateError::wrong_type(param, "a string or an array of content parts")),
+        _ => {
+            return Err(EstimateError::wrong_type(
+                param,
+                "a string or an array of content parts",
+            ))
+        }
     };
     let mut n: u64 = 0;
     for (i, part) in parts.iter().enumerate() {
-        let part_param = format!("{param}.[{i}]");
+        let part_param = param.index(i);
         let Value::Object(obj) = part else {
-            return Err(EstimateError::wrong_type(part_param, "a content part object"));
+            return Err(EstimateError::wrong_type(
+                part_param,
+                "a content part object",
+            ));
         };
         let kind = match obj.get("type") {
             Some(Value::String(kind)) => kind.as_str(),
-            None | Some(Value::Null) => {
-                return Err(EstimateError::missing(format!("{part_param}.type")))
+            None | Some(Value::Null) => return Err(EstimateError::missing(part_param.key("type"))),
+            Some(_) => {
+                return Err(EstimateError::wrong_type(
+                    part_param.key("type"),
+                    "a string",
+                ))
             }
-            Some(_) => return Err(EstimateError::wrong_type(format!("{part_param}.type"), "a string")),
         };
         let cost = match kind {
             "text" | "refusal" => match obj.get(kind) {
                 Some(Value::String(s)) => count_text(tok, s),
                 None | Some(Value::Null) => {
-                    return Err(EstimateError::missing(format!("{part_param}.{kind}")))
+                    return Err(EstimateError::missing(part_param.key(kind)))
                 }
-                Some(_) => {
-                    return Err(EstimateError::wrong_type(format!("{part_param}.{kind}"), "a string"))
-                }
+                Some(_) => return Err(EstimateError::wrong_type(part_param.key(kind), "a string")),
             },
-            "image_url" => image_part_tokens(obj, &part_param)?,
+            "image_url" => image_part_tokens(obj, part_param)?,
             _ => json_fallback_tokens(part),
         };
         n = n.saturating_add(cost);
@@ -123,7 +141,11 @@ fn content_tokens(tok: Tokenizer, content: &Value, param: &str) -> Result<u64, E
 }
 
 /// An assistant message's `tool_calls`.
-fn tool_calls_tokens(tok: Tokenizer, calls: &Value, param: &str) -> Result<u64, EstimateError> {
+fn tool_calls_tokens(
+    tok: Tokenizer,
+    calls: &Value,
+    param: Param<'_>,
+) -> Result<u64, EstimateError> {
     let Value::Array(calls) = calls else {
         return Err(EstimateError::wrong_type(param, "an array of tool calls"));
     };
@@ -134,7 +156,7 @@ fn tool_calls_tokens(tok: Tokenizer, calls: &Value, param: &str) -> Result<u64, 
                 Some(Value::Object(f)) => function_call_tokens(tok, f, call),
                 _ => json_fallback_tokens(call),
             },
-            _ => return Err(EstimateError::wrong_type(format!("{param}.[{i}]"), "an object")),
+            _ => return Err(EstimateError::wrong_type(param.index(i), "an object")),
         };
         n = n.saturating_add(cost);
     }

@@ -5,6 +5,8 @@
 //! OpenAI-style `param` path it refers to (`messages.[2].content`), so the proxy can answer with
 //! an OpenAI-shaped `invalid_request_error` without knowing anything about the body itself.
 
+use std::fmt;
+
 /// A request body the estimator cannot price. `Display` is the client-facing message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum EstimateError {
@@ -59,20 +61,81 @@ impl EstimateError {
         }
     }
 
-    pub(crate) fn missing(param: impl Into<String>) -> Self {
-        EstimateError::Missing { param: param.into() }
+    pub(crate) fn missing(param: impl fmt::Display) -> Self {
+        EstimateError::Missing {
+            param: param.to_string(),
+        }
     }
 
-    pub(crate) fn wrong_type(param: impl Into<String>, expected: &'static str) -> Self {
-        EstimateError::WrongType { param: param.into(), expected }
+    pub(crate) fn wrong_type(param: impl fmt::Display, expected: &'static str) -> Self {
+        EstimateError::WrongType {
+            param: param.to_string(),
+            expected,
+        }
     }
 
     pub(crate) fn out_of_range(
-        param: impl Into<String>,
+        param: impl fmt::Display,
         expected: &'static str,
         got: &serde_json::Value,
     ) -> Self {
-        EstimateError::OutOfRange { param: param.into(), expected, got: shorten(got) }
+        EstimateError::OutOfRange {
+            param: param.to_string(),
+            expected,
+            got: shorten(got),
+        }
+    }
+}
+
+/// Where in the body a value sits, as a linked list on the stack: building one costs nothing,
+/// and it is only rendered (`messages.[2].content.[0].text`, OpenAI's style) for an error.
+#[derive(Clone, Copy)]
+pub(crate) struct Param<'a> {
+    parent: Option<&'a Param<'a>>,
+    seg: Seg<'a>,
+}
+
+#[derive(Clone, Copy)]
+enum Seg<'a> {
+    Key(&'a str),
+    Index(usize),
+}
+
+impl<'a> Param<'a> {
+    /// A top-level body field.
+    pub(crate) const fn root(key: &'a str) -> Self {
+        Param {
+            parent: None,
+            seg: Seg::Key(key),
+        }
+    }
+
+    /// A field of the object at `self`.
+    pub(crate) fn key(&'a self, key: &'a str) -> Param<'a> {
+        Param {
+            parent: Some(self),
+            seg: Seg::Key(key),
+        }
+    }
+
+    /// An element of the array at `self`.
+    pub(crate) fn index(&'a self, i: usize) -> Param<'a> {
+        Param {
+            parent: Some(self),
+            seg: Seg::Index(i),
+        }
+    }
+}
+
+impl fmt::Display for Param<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(parent) = self.parent {
+            write!(f, "{parent}.")?;
+        }
+        match self.seg {
+            Seg::Key(k) => f.write_str(k),
+            Seg::Index(i) => write!(f, "[{i}]"),
+        }
     }
 }
 

@@ -12,7 +12,7 @@
 //! `data:` URLs we read the real width and height from the PNG, GIF, WebP or JPEG header, which
 //! only needs a small prefix of the base64 payload decoded.
 
-use super::error::EstimateError;
+use super::error::{EstimateError, Param};
 use serde_json::{Map, Value};
 
 /// Flat cost of a `detail: "low"` image.
@@ -66,24 +66,29 @@ const fn ceil_div(a: u64, b: u64) -> u64 {
 
 /// Tokens for one `{"type":"image_url","image_url":{"url":..,"detail":..}}` part; `param` is
 /// the path of the part itself, for error messages.
-pub(crate) fn image_part_tokens(part: &Map<String, Value>, param: &str) -> Result<u64, EstimateError> {
+pub(crate) fn image_part_tokens(
+    part: &Map<String, Value>,
+    param: Param<'_>,
+) -> Result<u64, EstimateError> {
+    let image_param = param.key("image_url");
     let image = match part.get("image_url") {
-        None | Some(Value::Null) => return Err(EstimateError::missing(format!("{param}.image_url"))),
+        None | Some(Value::Null) => return Err(EstimateError::missing(image_param)),
         Some(Value::Object(image)) => image,
         Some(_) => {
             return Err(EstimateError::wrong_type(
-                format!("{param}.image_url"),
+                image_param,
                 "an object with a 'url' string",
             ))
         }
     };
     let url = match image.get("url") {
-        None | Some(Value::Null) => {
-            return Err(EstimateError::missing(format!("{param}.image_url.url")))
-        }
+        None | Some(Value::Null) => return Err(EstimateError::missing(image_param.key("url"))),
         Some(Value::String(url)) => url.as_str(),
         Some(_) => {
-            return Err(EstimateError::wrong_type(format!("{param}.image_url.url"), "a string"))
+            return Err(EstimateError::wrong_type(
+                image_param.key("url"),
+                "a string",
+            ))
         }
     };
     let low = match image.get("detail") {
@@ -91,7 +96,7 @@ pub(crate) fn image_part_tokens(part: &Map<String, Value>, param: &str) -> Resul
         Some(Value::String(d)) => d == "low",
         Some(_) => {
             return Err(EstimateError::wrong_type(
-                format!("{param}.image_url.detail"),
+                image_param.key("detail"),
                 "one of 'low', 'high' or 'auto'",
             ))
         }
@@ -116,7 +121,13 @@ pub(crate) fn data_url_dimensions(url: &str) -> Option<(u64, u64)> {
     let head: Vec<u8> = bytes.by_ref().take(30).collect();
     image_header_dimensions(&head).or_else(|| {
         if head.starts_with(&[0xFF, 0xD8]) {
-            jpeg_dimensions(head[2..].iter().copied().chain(bytes))
+            jpeg_dimensions(
+                head.get(2..)
+                    .unwrap_or_default()
+                    .iter()
+                    .copied()
+                    .chain(bytes),
+            )
         } else {
             None
         }
@@ -125,11 +136,19 @@ pub(crate) fn data_url_dimensions(url: &str) -> Option<(u64, u64)> {
 
 /// PNG, GIF and WebP keep their size within the first 30 bytes.
 fn image_header_dimensions(h: &[u8]) -> Option<(u64, u64)> {
-    let be32 = |i: usize| Some(u64::from(u32::from_be_bytes(h.get(i..i + 4)?.try_into().ok()?)));
-    let le16 = |i: usize| Some(u64::from(u16::from_le_bytes(h.get(i..i + 2)?.try_into().ok()?)));
-    let le24 = |i: usize| {
-        let b = h.get(i..i + 3)?;
-        Some(u64::from(b[0]) | u64::from(b[1]) << 8 | u64::from(b[2]) << 16)
+    let be32 = |i: usize| {
+        Some(u64::from(u32::from_be_bytes(
+            h.get(i..i + 4)?.try_into().ok()?,
+        )))
+    };
+    let le16 = |i: usize| {
+        Some(u64::from(u16::from_le_bytes(
+            h.get(i..i + 2)?.try_into().ok()?,
+        )))
+    };
+    let le24 = |i: usize| match h.get(i..i + 3)? {
+        &[a, b, c] => Some(u64::from(a) | u64::from(b) << 8 | u64::from(c) << 16),
+        _ => None,
     };
     if h.starts_with(b"\x89PNG\r\n\x1a\n") && h.get(12..16) == Some(b"IHDR") {
         return Some((be32(16)?, be32(20)?));
@@ -142,7 +161,10 @@ fn image_header_dimensions(h: &[u8]) -> Option<(u64, u64)> {
             b"VP8X" => Some((le24(24)? + 1, le24(27)? + 1)),
             b"VP8L" if h.get(20) == Some(&0x2F) => {
                 let bits = u32::from_le_bytes(h.get(21..25)?.try_into().ok()?);
-                Some((u64::from(bits & 0x3FFF) + 1, u64::from((bits >> 14) & 0x3FFF) + 1))
+                Some((
+                    u64::from(bits & 0x3FFF) + 1,
+                    u64::from((bits >> 14) & 0x3FFF) + 1,
+                ))
             }
             b"VP8 " if h.get(23..26) == Some(&[0x9D, 0x01, 0x2A]) => {
                 Some((le16(26)? & 0x3FFF, le16(28)? & 0x3FFF))
@@ -164,8 +186,8 @@ fn jpeg_dimensions(mut it: impl Iterator<Item = u8>) -> Option<(u64, u64)> {
             marker = it.next()?; // fill bytes
         }
         match marker {
-            0x01 | 0xD0..=0xD8 => continue,  // standalone markers
-            0xD9 | 0xDA => return None,      // end of image / start of scan before any frame
+            0x01 | 0xD0..=0xD8 => continue, // standalone markers
+            0xD9 | 0xDA => return None,     // end of image / start of scan before any frame
             _ => {}
         }
         let len = usize::from(u16::from_be_bytes([it.next()?, it.next()?]));
@@ -194,7 +216,11 @@ struct Base64Bytes<'a> {
 
 impl<'a> Base64Bytes<'a> {
     fn new(s: &'a str) -> Self {
-        Base64Bytes { src: s.as_bytes().iter(), acc: 0, bits: 0 }
+        Base64Bytes {
+            src: s.as_bytes().iter(),
+            acc: 0,
+            bits: 0,
+        }
     }
 }
 

@@ -8,10 +8,11 @@
 //! default output cap: that is policy (`EstimateCfg::default_max_output_tokens`), applied by
 //! the caller when [`Estimate::max_output_tokens`] is `None`.
 //!
-//! Counting rules are in the submodules: [`count`] (text → tokens), `chat` (messages, the
-//! OpenAI cookbook rule), [`images`] (image parts), `tools` (tool definitions), `prompt`
-//! (completions prompts and embeddings inputs). A 100 KB chat prompt is estimated in well
-//! under a millisecond; see `benches/estimate.rs`.
+//! Counting rules are in the submodules: [`count`] (text → tokens, with its fast paths in
+//! `pretok` and `vocab`), `chat` (messages, the OpenAI cookbook rule), [`images`] (image
+//! parts), `tools` (tool definitions), `prompt` (completions prompts and embeddings inputs).
+//! Counts are exact tiktoken counts; the fast paths exist because every request pays for its
+//! estimate before it is forwarded (see `benches/estimate.rs`).
 
 mod chat;
 pub mod count;
@@ -20,6 +21,7 @@ pub mod images;
 mod pretok;
 mod prompt;
 mod tools;
+mod vocab;
 
 #[cfg(test)]
 mod tests;
@@ -68,7 +70,11 @@ pub const MAX_N: u64 = 128;
 
 /// Estimates the cost-relevant shape of `body`, a request to `endpoint`, counting text with
 /// `tok`. Fails on a body OpenAI would reject for a reason that also stops us pricing it.
-pub fn estimate(endpoint: Endpoint, body: &Value, tok: Tokenizer) -> Result<Estimate, EstimateError> {
+pub fn estimate(
+    endpoint: Endpoint,
+    body: &Value,
+    tok: Tokenizer,
+) -> Result<Estimate, EstimateError> {
     let Value::Object(body) = body else {
         return Err(EstimateError::NotAnObject);
     };
@@ -76,7 +82,11 @@ pub fn estimate(endpoint: Endpoint, body: &Value, tok: Tokenizer) -> Result<Esti
 }
 
 /// [`estimate`] for a body already known to be a JSON object.
-pub fn estimate_object(endpoint: Endpoint, body: &Map<String, Value>, tok: Tokenizer) -> Result<Estimate, EstimateError> {
+pub fn estimate_object(
+    endpoint: Endpoint,
+    body: &Map<String, Value>,
+    tok: Tokenizer,
+) -> Result<Estimate, EstimateError> {
     let model = model(body)?;
     match endpoint {
         Endpoint::Chat => {
@@ -96,7 +106,10 @@ pub fn estimate_object(endpoint: Endpoint, body: &Map<String, Value>, tok: Token
             let prompt = match body.get("prompt") {
                 // OpenAI: "if prompt is not specified the model will generate as if from the
                 // beginning of a new document", i.e. from a single `<|endoftext|>` token.
-                None | Some(Value::Null) => prompt::PromptCount { tokens: 1, prompts: 1 },
+                None | Some(Value::Null) => prompt::PromptCount {
+                    tokens: 1,
+                    prompts: 1,
+                },
                 Some(p) => prompt::prompt_tokens(tok, p, "prompt")?,
             };
             let suffix = match body.get("suffix") {
@@ -168,7 +181,11 @@ fn opt_uint(body: &Map<String, Value>, key: &str) -> Result<Option<u64>, Estimat
         None | Some(Value::Null) => Ok(None),
         Some(v @ Value::Number(n)) => match n.as_u64() {
             Some(u) => Ok(Some(u)),
-            None if n.is_i64() => Err(EstimateError::out_of_range(key, "a non-negative integer", v)),
+            None if n.is_i64() => Err(EstimateError::out_of_range(
+                key,
+                "a non-negative integer",
+                v,
+            )),
             None => Err(EstimateError::wrong_type(key, "an integer")),
         },
         Some(_) => Err(EstimateError::wrong_type(key, "an integer")),
@@ -210,7 +227,10 @@ fn include_usage(body: &Map<String, Value>) -> Result<bool, EstimateError> {
         Some(Value::Object(opts)) => match opts.get("include_usage") {
             None | Some(Value::Null) => Ok(false),
             Some(Value::Bool(b)) => Ok(*b),
-            Some(_) => Err(EstimateError::wrong_type("stream_options.include_usage", "a boolean")),
+            Some(_) => Err(EstimateError::wrong_type(
+                "stream_options.include_usage",
+                "a boolean",
+            )),
         },
         Some(_) => Err(EstimateError::wrong_type("stream_options", "an object")),
     }

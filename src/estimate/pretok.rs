@@ -19,23 +19,30 @@
 
 use crate::policy::Tokenizer;
 
-/// Byte classes. Non-ASCII bytes never reach the matchers.
+/// Byte classes, as bit flags so a set of classes is one mask test. Non-ASCII bytes never
+/// reach the matchers (they are classed as punctuation for safety).
 const LOWER: u8 = 1;
 const UPPER: u8 = 2;
-const DIGIT: u8 = 3;
-const SPACE: u8 = 4;
-const CRLF: u8 = 5;
+const DIGIT: u8 = 4;
+const SPACE: u8 = 8;
+const CRLF: u8 = 16;
 /// `\t`, `\x0B`, `\x0C`: whitespace that is neither the space nor a line break.
-const WS: u8 = 6;
+const WS: u8 = 32;
 /// Anything else: punctuation, symbols, other control characters.
-const OTHER: u8 = 7;
+const OTHER: u8 = 64;
+/// Past the end of the text.
+const END: u8 = 0;
 
-const CLASS: [u8; 128] = {
-    let mut t = [OTHER; 128];
+const LETTER: u8 = LOWER | UPPER;
+const WHITESPACE: u8 = SPACE | CRLF | WS;
+/// `[^\r\n\p{L}\p{N}]`
+const PREFIX: u8 = SPACE | WS | OTHER;
+
+const CLASS: [u8; 256] = {
+    let mut t = [OTHER; 256];
     let mut i = 0;
     while i < 128 {
-        let c = i as u8;
-        t[i] = match c {
+        t[i] = match i as u8 {
             b'a'..=b'z' => LOWER,
             b'A'..=b'Z' => UPPER,
             b'0'..=b'9' => DIGIT,
@@ -52,7 +59,6 @@ const CLASS: [u8; 128] = {
 /// A pre-tokenizer for ASCII input, one alternative-for-alternative copy of a tiktoken regex.
 pub(crate) struct AsciiSplit<'a> {
     b: &'a [u8],
-    s: &'a str,
     pos: usize,
     o200k: bool,
 }
@@ -61,34 +67,35 @@ impl<'a> AsciiSplit<'a> {
     /// `s` must be ASCII; `tok` must be `O200k` or `Cl100k` (`Chars` splits like `Cl100k`).
     pub(crate) fn new(tok: Tokenizer, s: &'a str) -> Self {
         debug_assert!(s.is_ascii());
-        AsciiSplit { b: s.as_bytes(), s, pos: 0, o200k: tok == Tokenizer::O200k }
-    }
-
-    fn class(&self, i: usize) -> u8 {
-        match self.b.get(i) {
-            Some(&c) if c < 128 => CLASS[usize::from(c)],
-            Some(_) => OTHER,
-            None => 0,
+        AsciiSplit {
+            b: s.as_bytes(),
+            pos: 0,
+            o200k: tok == Tokenizer::O200k,
         }
     }
 
-    fn is_letter(&self, i: usize) -> bool {
-        matches!(self.class(i), LOWER | UPPER)
+    #[inline(always)]
+    fn class(&self, i: usize) -> u8 {
+        match self.b.get(i) {
+            Some(&c) => CLASS[usize::from(c)],
+            None => END,
+        }
     }
 
-    /// `[^\r\n\p{L}\p{N}]`
-    fn is_prefix(&self, i: usize) -> bool {
-        matches!(self.class(i), SPACE | WS | OTHER)
-    }
-
-    fn run(&self, mut i: usize, pred: impl Fn(u8) -> bool) -> usize {
-        while i < self.b.len() && pred(self.class(i)) {
+    /// End of the run of bytes in `mask` starting at `i`.
+    #[inline(always)]
+    fn run(&self, mut i: usize, mask: u8) -> usize {
+        while let Some(&c) = self.b.get(i) {
+            if CLASS[usize::from(c)] & mask == 0 {
+                break;
+            }
             i += 1;
         }
         i
     }
 
     /// Length of `(?i:'s|'t|'re|'ve|'m|'ll|'d)` at `i`, 0 if none.
+    #[inline(always)]
     fn contraction(&self, i: usize) -> usize {
         if self.b.get(i) != Some(&b'\'') {
             return 0;
@@ -110,11 +117,10 @@ impl<'a> AsciiSplit<'a> {
             SPACE if self.class(i + 1) == OTHER => i + 1,
             _ => return None,
         };
-        let end = self.run(start, |c| c == OTHER);
-        let o200k = self.o200k;
-        let mut j = end;
+        let mut j = self.run(start, OTHER);
+        // `[\r\n/]*`: a '/' can still follow once a line break has ended the OTHER run.
         while let Some(&c) = self.b.get(j) {
-            if c == b'\r' || c == b'\n' || (o200k && c == b'/') {
+            if c == b'\r' || c == b'\n' || (self.o200k && c == b'/') {
                 j += 1;
             } else {
                 break;
@@ -128,8 +134,12 @@ impl<'a> AsciiSplit<'a> {
     fn whitespace(&self, i: usize) -> usize {
         let mut j = i;
         let mut last_break = None;
-        while j < self.b.len() && matches!(self.class(j), SPACE | CRLF | WS) {
-            if self.class(j) == CRLF {
+        loop {
+            let c = self.class(j);
+            if c & WHITESPACE == 0 {
+                break;
+            }
+            if c == CRLF {
                 last_break = Some(j);
             }
             j += 1;
@@ -142,21 +152,47 @@ impl<'a> AsciiSplit<'a> {
         }
     }
 
+    /// The shape of most English pieces, where both patterns agree: `[ ]?[A-Z]?[a-z]*` with at
+    /// least one letter, followed by neither a letter nor an apostrophe (so no longer letter run
+    /// and no contraction can extend it); or one punctuation byte followed by a space. `None`
+    /// sends the caller to the full matcher.
+    #[inline(always)]
+    fn common_word(&self, i: usize) -> Option<usize> {
+        let b = self.b;
+        let first = *b.get(i)?;
+        if CLASS[usize::from(first)] == OTHER {
+            return (b.get(i + 1) == Some(&b' ')).then_some(i + 1);
+        }
+        let mut j = i + usize::from(first == b' ');
+        let letters = j;
+        if b.get(j).is_some_and(u8::is_ascii_uppercase) {
+            j += 1;
+        }
+        while b.get(j).is_some_and(u8::is_ascii_lowercase) {
+            j += 1;
+        }
+        let ends_clean = match b.get(j) {
+            None => true,
+            Some(&c) => !c.is_ascii_alphabetic() && c != b'\'',
+        };
+        (j > letters && ends_clean).then_some(j)
+    }
+
     /// End of the cl100k piece starting at `i`.
     fn next_cl100k(&self, i: usize) -> usize {
         let c = self.class(i);
+        if c & LETTER != 0 {
+            return self.run(i, LETTER);
+        }
         let contraction = self.contraction(i);
         if contraction > 0 {
             return i + contraction;
         }
-        if c == LOWER || c == UPPER {
-            return self.run(i, |c| c == LOWER || c == UPPER);
-        }
-        if self.is_prefix(i) && self.is_letter(i + 1) {
-            return self.run(i + 1, |c| c == LOWER || c == UPPER);
+        if c & PREFIX != 0 && self.class(i + 1) & LETTER != 0 {
+            return self.run(i + 1, LETTER);
         }
         if c == DIGIT {
-            return self.run(i, |c| c == DIGIT).min(i + 3);
+            return self.run(i, DIGIT).min(i + 3);
         }
         self.punctuation(i).unwrap_or_else(|| self.whitespace(i))
     }
@@ -164,39 +200,40 @@ impl<'a> AsciiSplit<'a> {
     /// End of the o200k piece starting at `i`.
     fn next_o200k(&self, i: usize) -> usize {
         let c = self.class(i);
-        let letters_at = if c == LOWER || c == UPPER {
-            Some(i)
-        } else if self.is_prefix(i) && self.is_letter(i + 1) {
-            Some(i + 1)
+        let j = if c & LETTER != 0 {
+            i
+        } else if c & PREFIX != 0 && self.class(i + 1) & LETTER != 0 {
+            i + 1
+        } else if c == DIGIT {
+            return self.run(i, DIGIT).min(i + 3);
         } else {
-            None
+            return self.punctuation(i).unwrap_or_else(|| self.whitespace(i));
         };
-        if let Some(j) = letters_at {
-            // `[Lu]*[Ll]+('s|..)?`, else `[Lu]+[Ll]*('s|..)?` (and then `[Ll]*` is empty).
-            let k = self.run(j, |c| c == UPPER);
-            let end = if self.class(k) == LOWER { self.run(k, |c| c == LOWER) } else { k };
-            return end + self.contraction(end);
-        }
-        if c == DIGIT {
-            return self.run(i, |c| c == DIGIT).min(i + 3);
-        }
-        self.punctuation(i).unwrap_or_else(|| self.whitespace(i))
+        // `[Lu]*[Ll]+('s|..)?`, else `[Lu]+[Ll]*('s|..)?` (and then `[Ll]*` is empty).
+        let k = self.run(j, UPPER);
+        let end = self.run(k, LOWER);
+        end + self.contraction(end)
     }
 }
 
 impl<'a> Iterator for AsciiSplit<'a> {
-    type Item = &'a str;
+    /// Pieces as bytes (they are ASCII, hence valid UTF-8): that is what BPE consumes.
+    type Item = &'a [u8];
 
-    fn next(&mut self) -> Option<&'a str> {
+    fn next(&mut self) -> Option<&'a [u8]> {
         let start = self.pos;
         if start >= self.b.len() {
             return None;
         }
-        let end = if self.o200k { self.next_o200k(start) } else { self.next_cl100k(start) };
+        let end = match self.common_word(start) {
+            Some(end) => end,
+            None if self.o200k => self.next_o200k(start),
+            None => self.next_cl100k(start),
+        };
         // Every branch consumes at least one byte; guard anyway so a bug cannot loop forever.
         let end = end.clamp(start + 1, self.b.len());
         self.pos = end;
-        self.s.get(start..end)
+        self.b.get(start..end)
     }
 }
 
@@ -222,14 +259,22 @@ pub(crate) fn chunks(s: &str) -> impl Iterator<Item = (&str, bool)> {
             return None;
         }
         let start = pos;
-        let Some(off) = b[start..].iter().position(|c| !c.is_ascii()) else {
+        let Some(off) = b
+            .get(start..)
+            .and_then(|rest| rest.iter().position(|c| !c.is_ascii()))
+        else {
             pos = b.len();
             return s.get(start..).map(|c| (c, true));
         };
         let first = start + off;
         // Back up to the last safe cut before the non-ASCII byte, forward to the next one after.
-        let cut_before = (start + 1..=first).rev().find(|&p| safe_cut(p)).unwrap_or(start);
-        let cut_after = (first + 1..b.len()).find(|&p| safe_cut(p)).unwrap_or(b.len());
+        let cut_before = (start + 1..=first)
+            .rev()
+            .find(|&p| safe_cut(p))
+            .unwrap_or(start);
+        let cut_after = (first + 1..b.len())
+            .find(|&p| safe_cut(p))
+            .unwrap_or(b.len());
         if cut_before > start {
             pending = Some((cut_before, cut_after));
             pos = cut_before;
@@ -239,4 +284,105 @@ pub(crate) fn chunks(s: &str) -> impl Iterator<Item = (&str, bool)> {
             s.get(start..cut_after).map(|c| (c, false))
         }
     })
+}
+
+/// The fast paths must give exactly the library's pieces and counts.
+#[cfg(test)]
+mod tests {
+    use super::AsciiSplit;
+    use crate::estimate::count_text;
+    use crate::policy::Tokenizer;
+
+    const O: Tokenizer = Tokenizer::O200k;
+    const C: Tokenizer = Tokenizer::Cl100k;
+
+    /// A tiny deterministic generator, so failures reproduce.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> usize {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            (self.0 >> 16) as usize
+        }
+        fn text(&mut self, alphabet: &[&str], max_len: usize) -> String {
+            let len = self.next() % max_len;
+            (0..len)
+                .map(|_| alphabet[self.next() % alphabet.len()])
+                .collect()
+        }
+    }
+
+    const TRICKY: &[&str] = &[
+        "a", "b", "Z", "Q", "e", "s", "l", "L", "r", "E", "t", "D", "0", "7", "42", " ", " ", "  ",
+        "\t", "\n", "\r", "\r\n", "\x0B", "\x0C", "\x1C", "\x00", "\x7F", "'", "'s", "'LL", "'re",
+        "'Ve", "'d", "'M", ".", ",", "!", "/", "//", "-", "_", "(", "\"", "#", "$", "...", "?\n",
+        " ,", "Hello", "world", "HTTP", "don't", "I'm", "ABCdef", "aBC", "x1",
+    ];
+    const NON_ASCII: &[&str] = &[
+        "é", "日本", "—", "’s", "\u{a0}", "\u{2028}", "😀", "ß", "Ünï",
+    ];
+
+    fn lib(tok: Tokenizer) -> &'static bpe_openai::Tokenizer {
+        if tok == O {
+            bpe_openai::o200k_base()
+        } else {
+            bpe_openai::cl100k_base()
+        }
+    }
+
+    #[test]
+    fn ascii_pretokenizer_matches_the_library_regex() {
+        let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+        let all_ascii: Vec<String> = (0u8..128).map(|b| char::from(b).to_string()).collect();
+        let mut alphabet: Vec<&str> = all_ascii.iter().map(String::as_str).collect();
+        alphabet.extend_from_slice(TRICKY);
+        for tok in [O, C] {
+            for i in 0..6000 {
+                let s = rng.text(if i % 2 == 0 { TRICKY } else { &alphabet }, 40);
+                let ours: Vec<&str> = AsciiSplit::new(tok, &s)
+                    .filter_map(|p| std::str::from_utf8(p).ok())
+                    .collect();
+                let theirs: Vec<&str> = lib(tok).split(&s).collect();
+                assert_eq!(ours, theirs, "{tok:?} split of {s:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn fast_count_equals_library_count_on_mixed_text() {
+        let mut rng = Rng(12345);
+        let mut alphabet: Vec<&str> = TRICKY.to_vec();
+        alphabet.extend_from_slice(NON_ASCII);
+        alphabet.extend_from_slice(&[" word", " Word", "x ", " y"]);
+        for tok in [O, C] {
+            for max in [60, 3000] {
+                for _ in 0..300 {
+                    let s = rng.text(&alphabet, max);
+                    assert_eq!(
+                        count_text(tok, &s),
+                        lib(tok).count(s.as_str()) as u64,
+                        "{tok:?} {s:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn long_text_with_cache_equals_library_count() {
+        let para = "The quick brown fox jumps over the lazy dog's back; it's 2024, naïve café. ";
+        // Pieces longer than the cache/vocabulary key limit, and repeats of them.
+        let long = "Supercalifragilisticexpialidocious ==================================== \
+                    12345678901234567890                                  done.\n";
+        for text in [
+            para.repeat(200),
+            long.repeat(60),
+            format!("{}{}", long.repeat(3), para.repeat(40)),
+        ] {
+            for tok in [O, C] {
+                assert_eq!(count_text(tok, &text), lib(tok).count(text.as_str()) as u64);
+            }
+        }
+    }
 }

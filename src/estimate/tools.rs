@@ -19,7 +19,7 @@
 //! tokens of its whole JSON. Exact for flat schemas; an over-estimate for nested ones.
 
 use super::count::{count_text, json_tokens};
-use super::error::EstimateError;
+use super::error::{EstimateError, Param};
 use crate::policy::Tokenizer;
 use serde_json::{Map, Value};
 
@@ -31,7 +31,10 @@ const ENUM_ITEM: i64 = 3;
 const FUNC_END: i64 = 12;
 
 /// Prompt tokens added by `tools` and `functions` in a chat body (0 when neither is present).
-pub(crate) fn tools_tokens(tok: Tokenizer, body: &Map<String, Value>) -> Result<u64, EstimateError> {
+pub(crate) fn tools_tokens(
+    tok: Tokenizer,
+    body: &Map<String, Value>,
+) -> Result<u64, EstimateError> {
     let mut total: i64 = 0;
     let mut any = false;
     for key in ["tools", "functions"] {
@@ -40,8 +43,9 @@ pub(crate) fn tools_tokens(tok: Tokenizer, body: &Map<String, Value>) -> Result<
             Some(Value::Array(list)) => list,
             Some(_) => return Err(EstimateError::wrong_type(key, "an array of tool objects")),
         };
+        let list_param = Param::root(key);
         for (i, item) in list.iter().enumerate() {
-            let param = format!("{key}.[{i}]");
+            let param = list_param.index(i);
             let Value::Object(obj) = item else {
                 return Err(EstimateError::wrong_type(param, "an object"));
             };
@@ -49,7 +53,12 @@ pub(crate) fn tools_tokens(tok: Tokenizer, body: &Map<String, Value>) -> Result<
             // `functions` (and the Responses-style flat tool) put it at the top level.
             let def = match obj.get("function") {
                 Some(Value::Object(f)) => Some(f),
-                Some(_) => return Err(EstimateError::wrong_type(format!("{param}.function"), "an object")),
+                Some(_) => {
+                    return Err(EstimateError::wrong_type(
+                        param.key("function"),
+                        "an object",
+                    ))
+                }
                 None if obj.contains_key("name") => Some(obj),
                 None => None,
             };
@@ -70,7 +79,7 @@ pub(crate) fn tools_tokens(tok: Tokenizer, body: &Map<String, Value>) -> Result<
 fn function_tokens(tok: Tokenizer, f: &Map<String, Value>) -> i64 {
     let name = str_or_json(f.get("name"));
     let desc = str_or_json(f.get("description"));
-    let mut n = FUNC_INIT + count_i64(tok, &format!("{name}:{}", trim_period(&desc)));
+    let mut n = FUNC_INIT.saturating_add(count_i64(tok, &format!("{name}:{}", trim_period(&desc))));
 
     let props = f
         .get("parameters")
@@ -80,7 +89,9 @@ fn function_tokens(tok: Tokenizer, f: &Map<String, Value>) -> i64 {
     if let Some(props) = props.filter(|p| !p.is_empty()) {
         n = n.saturating_add(PROP_INIT);
         for (key, prop) in props {
-            n = n.saturating_add(PROP_KEY).saturating_add(property_tokens(tok, key, prop));
+            n = n
+                .saturating_add(PROP_KEY)
+                .saturating_add(property_tokens(tok, key, prop));
         }
     }
     n

@@ -20,6 +20,9 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Instant;
 
+/// A slow client may not pin a connection: the whole body must arrive within this.
+const BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Everything a request needs, shared by all connections.
 pub struct App {
     pub snap: ArcSwap<Snapshot>,
@@ -107,7 +110,16 @@ async fn governed(app: &App, snap: Arc<Snapshot>, endpoint: Endpoint, req: Reque
     if declared.is_some_and(|n| n > limit) {
         return early(app, &snap, endpoint, Refusal::TooLarge { limit }, rec, ReasonClass::BadRequest, t0).await;
     }
-    let bytes = match Limited::new(body, limit as usize).collect().await {
+    let read = tokio::time::timeout(BODY_READ_TIMEOUT, Limited::new(body, limit as usize).collect()).await;
+    let Ok(read) = read else {
+        let r = Refusal::BadRequest {
+            message: format!("the request body was not received within {} s", BODY_READ_TIMEOUT.as_secs()),
+            param: None,
+            code: "body_timeout",
+        };
+        return early(app, &snap, endpoint, r, rec, ReasonClass::BadRequest, t0).await;
+    };
+    let bytes = match read {
         Ok(c) => c.to_bytes(),
         Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
             return early(app, &snap, endpoint, Refusal::TooLarge { limit }, rec, ReasonClass::BadRequest, t0).await;

@@ -20,6 +20,9 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+/// Largest request head (and read buffer) a connection may fill.
+const MAX_HEADER_BUF: usize = 64 * 1024;
+
 /// Where to listen, overriding the policy (tests bind port 0).
 #[derive(Debug, Clone, Default)]
 pub struct Options {
@@ -95,7 +98,12 @@ where
     Fut: std::future::Future<Output = Result<hyper::Response<super::respond::Body>, std::convert::Infallible>> + Send + 'static,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder.http1().timer(TokioTimer::new()).header_read_timeout(header_timeout).keep_alive(true);
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_timeout)
+        .max_buf_size(MAX_HEADER_BUF)
+        .keep_alive(true);
     builder.http2().timer(TokioTimer::new()).keep_alive_interval(Some(Duration::from_secs(30)));
     let graceful = GracefulShutdown::new();
     loop {
