@@ -13,7 +13,7 @@ use crate::governor::{Governor, Outcome, ReasonClass, Record, RequestCtx, Served
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use serde::Deserialize;
 use std::convert::Infallible;
@@ -106,25 +106,20 @@ async fn governed(app: &App, snap: Arc<Snapshot>, endpoint: Endpoint, req: Reque
 
     // Read the body, bounded.
     let limit = policy.server.max_body_bytes;
-    let declared = parts.headers.get(http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit) {
-        return early(app, &snap, endpoint, Refusal::TooLarge { limit }, rec, ReasonClass::BadRequest, t0).await;
-    }
-    let read = tokio::time::timeout(BODY_READ_TIMEOUT, Limited::new(body, limit as usize).collect()).await;
-    let Ok(read) = read else {
-        let r = Refusal::BadRequest {
-            message: format!("the request body was not received within {} s", BODY_READ_TIMEOUT.as_secs()),
-            param: None,
-            code: "body_timeout",
-        };
-        return early(app, &snap, endpoint, r, rec, ReasonClass::BadRequest, t0).await;
-    };
-    let bytes = match read {
-        Ok(c) => c.to_bytes(),
-        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+    let bytes = match read_body(body, limit as usize).await {
+        Ok(b) => b,
+        Err(BodyError::TooLarge) => {
             return early(app, &snap, endpoint, Refusal::TooLarge { limit }, rec, ReasonClass::BadRequest, t0).await;
         }
-        Err(e) => {
+        Err(BodyError::Timeout) => {
+            let r = Refusal::BadRequest {
+                message: format!("the request body was not received within {} s", BODY_READ_TIMEOUT.as_secs()),
+                param: None,
+                code: "body_timeout",
+            };
+            return early(app, &snap, endpoint, r, rec, ReasonClass::BadRequest, t0).await;
+        }
+        Err(BodyError::Broken(e)) => {
             let r = Refusal::BadRequest { message: format!("cannot read the request body: {e}"), param: None, code: "bad_body" };
             return early(app, &snap, endpoint, r, rec, ReasonClass::BadRequest, t0).await;
         }
@@ -226,6 +221,49 @@ async fn governed(app: &App, snap: Arc<Snapshot>, endpoint: Endpoint, req: Reque
             finish(app, endpoint, rec, t0).await;
             resp
         }
+    }
+}
+
+enum BodyError {
+    TooLarge,
+    Timeout,
+    Broken(hyper::Error),
+}
+
+/// What is read and thrown away of a body over the limit, so that a client still writing it
+/// gets the 413 instead of a connection reset (RFC 9112 §9.6); past this the connection closes.
+const DRAIN_BEYOND_LIMIT: usize = 16 * 1024 * 1024;
+
+/// Reads the request body up to `limit` bytes within [`BODY_READ_TIMEOUT`]. A body over the
+/// limit is drained (up to [`DRAIN_BEYOND_LIMIT`] more) before answering.
+async fn read_body(mut body: Incoming, limit: usize) -> Result<Bytes, BodyError> {
+    let deadline = tokio::time::Instant::now() + BODY_READ_TIMEOUT;
+    let mut buf = bytes::BytesMut::new();
+    let mut seen = 0usize;
+    loop {
+        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+            Err(_) if seen > limit => return Err(BodyError::TooLarge),
+            Err(_) => return Err(BodyError::Timeout),
+            Ok(None) => break,
+            Ok(Some(Err(e))) if seen > limit => {
+                tracing::debug!(error = %e, "oversized body broke off while draining");
+                return Err(BodyError::TooLarge);
+            }
+            Ok(Some(Err(e))) => return Err(BodyError::Broken(e)),
+            Ok(Some(Ok(f))) => f,
+        };
+        let Ok(data) = frame.into_data() else { continue };
+        seen = seen.saturating_add(data.len());
+        if seen <= limit {
+            buf.extend_from_slice(&data);
+        } else if seen > limit.saturating_add(DRAIN_BEYOND_LIMIT) {
+            break;
+        }
+    }
+    if seen > limit {
+        Err(BodyError::TooLarge)
+    } else {
+        Ok(buf.freeze())
     }
 }
 
