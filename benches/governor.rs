@@ -6,7 +6,10 @@ use futures_util::FutureExt;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
-use tollgate::governor::{CallResult, CallSpec, Circuit, Clock, Governor, RequestCtx, Served, Usage, UsageEvidence, Upstream};
+use tollgate::governor::{
+    CallResult, CallSpec, Circuit, Clock, Governor, RequestCtx, Served, Upstream, Usage,
+    UsageEvidence,
+};
 use tollgate::ledger::Ledger;
 use tollgate::policy::Backend;
 
@@ -61,31 +64,50 @@ fn bench(c: &mut Criterion) {
     let gov = Governor::new(Arc::new(Ledger::new()));
     let clock = Frozen(1_795_990_000_000);
     let jobs: Vec<Arc<str>> = (0..1024).map(|i| Arc::from(format!("job-{i}"))).collect();
-    let consumers: Vec<Arc<str>> = (0..16).map(|i| Arc::from(format!("consumer-{i}"))).collect();
+    let consumers: Vec<Arc<str>> = (0..16)
+        .map(|i| Arc::from(format!("consumer-{i}")))
+        .collect();
     let mut i = 0usize;
-    c.bench_function("decision/allowed request (govern + settle, 5 counters)", |b| {
-        b.iter(|| {
-            i = i.wrapping_add(1);
-            let ctx = RequestCtx {
-                request_id: jobs[i % 1024].clone(),
-                job_id: jobs[i % 1024].clone(),
-                consumer: consumers[i % 16].clone(),
-                input_tokens: 500,
-                max_output_tokens: Some(500),
-                n: 1,
-                static_ok: true,
-            };
-            let out = gov.govern(&policy, &route, &ctx, &Instant200, &clock).now_or_never().expect("ready");
-            let mut rec = out.record;
-            if let Served::Upstream { pending, .. } = out.served {
-                gov.settle(&policy, &mut rec, pending, Usage { input_tokens: 480, output_tokens: 200 }, UsageEvidence::Actual);
-            }
-            rec
-        })
-    });
+    c.bench_function(
+        "decision/allowed request (govern + settle, 5 counters)",
+        |b| {
+            b.iter(|| {
+                i = i.wrapping_add(1);
+                let ctx = RequestCtx {
+                    request_id: jobs[i % 1024].clone(),
+                    job_id: jobs[i % 1024].clone(),
+                    consumer: consumers[i % 16].clone(),
+                    input_tokens: 500,
+                    max_output_tokens: Some(500),
+                    n: 1,
+                    static_ok: true,
+                };
+                let out = gov
+                    .govern(&policy, &route, &ctx, &Instant200, &clock)
+                    .now_or_never()
+                    .expect("ready");
+                let mut rec = out.record;
+                if let Served::Upstream { pending, .. } = out.served {
+                    gov.settle(
+                        &policy,
+                        &mut rec,
+                        pending,
+                        Usage {
+                            input_tokens: 480,
+                            output_tokens: 200,
+                        },
+                        UsageEvidence::Actual,
+                    );
+                }
+                rec
+            })
+        },
+    );
     let circuit = Circuit::new();
     let cfg = policy.backends[0].circuit.clone();
-    c.bench_function("circuit/admission (closed)", |b| b.iter(|| circuit.admit(clock.0, &cfg)));
+    c.bench_function("circuit/admission (closed)", |b| {
+        b.iter(|| circuit.admit(clock.0, &cfg))
+    });
 }
 
 criterion_group! {

@@ -24,35 +24,80 @@ use tollgate::units::*;
 /// Far above anything the bench adds, but `Some` so the compare-exchange path is measured.
 const HARD: u64 = u64::MAX / 4;
 /// Worst case of one call: tokens, one request, micro-dollars.
-const WORST: Amount = Amount { tokens: 1_200, requests: 1, usd: 3_000 };
-const ACTUAL: Amount = Amount { tokens: 700, requests: 1, usd: 1_700 };
+const WORST: Amount = Amount {
+    tokens: 1_200,
+    requests: 1,
+    usd: 3_000,
+};
+const ACTUAL: Amount = Amount {
+    tokens: 700,
+    requests: 1,
+    usd: 1_700,
+};
 /// Tokens-only amounts, the exact work of the single-dimension mutex baseline.
-const WORST_T: Amount = Amount { tokens: 1_200, requests: 0, usd: 0 };
-const ACTUAL_T: Amount = Amount { tokens: 700, requests: 0, usd: 0 };
+const WORST_T: Amount = Amount {
+    tokens: 1_200,
+    requests: 0,
+    usd: 0,
+};
+const ACTUAL_T: Amount = Amount {
+    tokens: 700,
+    requests: 0,
+    usd: 0,
+};
 
 fn keys() -> [CounterKey; 4] {
-    let day = Some(WindowKey { window: Window::Day, start: 1_717_200_000 });
-    let month = Some(WindowKey { window: Window::Month, start: 1_717_200_000 });
+    let day = Some(WindowKey {
+        window: Window::Day,
+        start: 1_717_200_000,
+    });
+    let month = Some(WindowKey {
+        window: Window::Month,
+        start: 1_717_200_000,
+    });
     [
-        CounterKey { scope: Scope::Consumer, id: Arc::from("team-search"), window: day },
-        CounterKey { scope: Scope::Consumer, id: Arc::from("team-search"), window: month },
-        CounterKey { scope: Scope::Global, id: Arc::from("*"), window: day },
-        CounterKey { scope: Scope::Model, id: Arc::from("gpt-4o-mini"), window: day },
+        CounterKey {
+            scope: Scope::Consumer,
+            id: Arc::from("team-search"),
+            window: day,
+        },
+        CounterKey {
+            scope: Scope::Consumer,
+            id: Arc::from("team-search"),
+            window: month,
+        },
+        CounterKey {
+            scope: Scope::Global,
+            id: Arc::from("*"),
+            window: day,
+        },
+        CounterKey {
+            scope: Scope::Model,
+            id: Arc::from("gpt-4o-mini"),
+            window: day,
+        },
     ]
 }
 
 /// One request on the lock-free ledger: find the 4 counters, reserve, commit.
 #[inline]
 fn lockfree_op(ledger: &Ledger, keys: &[CounterKey; 4], worst: Amount, actual: Amount) {
-    let parts = keys.each_ref().map(|k| ReservePart { counter: ledger.counter(k, i64::MAX), hard: [Some(HARD); 3] });
-    let r = ledger.reserve(&parts, black_box(worst)).expect("never refused");
+    let parts = keys.each_ref().map(|k| ReservePart {
+        counter: ledger.counter(k, i64::MAX),
+        hard: [Some(HARD); 3],
+    });
+    let r = ledger
+        .reserve(&parts, black_box(worst))
+        .expect("never refused");
     black_box(r.commit(black_box(actual)));
 }
 
 /// The same with the 4 counters already looked up (the counter arithmetic alone).
 #[inline]
 fn lockfree_resolved_op(ledger: &Ledger, parts: &[ReservePart; 4]) {
-    let r = ledger.reserve(parts, black_box(WORST)).expect("never refused");
+    let r = ledger
+        .reserve(parts, black_box(WORST))
+        .expect("never refused");
     black_box(r.commit(black_box(ACTUAL)));
 }
 
@@ -109,12 +154,19 @@ fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("reserve_commit_4_counters");
 
     let ledger = Ledger::new();
-    g.bench_function("lockfree/1_thread", |b| b.iter(|| lockfree_op(&ledger, &keys, WORST, ACTUAL)));
+    g.bench_function("lockfree/1_thread", |b| {
+        b.iter(|| lockfree_op(&ledger, &keys, WORST, ACTUAL))
+    });
     g.bench_function("lockfree_tokens_only/1_thread", |b| {
         b.iter(|| lockfree_op(&ledger, &keys, WORST_T, ACTUAL_T))
     });
-    let resolved = keys.each_ref().map(|k| ReservePart { counter: ledger.counter(k, i64::MAX), hard: [Some(HARD); 3] });
-    g.bench_function("lockfree_resolved/1_thread", |b| b.iter(|| lockfree_resolved_op(&ledger, &resolved)));
+    let resolved = keys.each_ref().map(|k| ReservePart {
+        counter: ledger.counter(k, i64::MAX),
+        hard: [Some(HARD); 3],
+    });
+    g.bench_function("lockfree_resolved/1_thread", |b| {
+        b.iter(|| lockfree_resolved_op(&ledger, &resolved))
+    });
     let map = Baseline::default();
     g.bench_function("mutex_hashmap/1_thread", |b| {
         b.iter(|| mutex_op(&map, &keys, WORST_T.tokens, ACTUAL_T.tokens))
@@ -124,13 +176,19 @@ fn bench(c: &mut Criterion) {
         b.iter_custom(|iters| two_threads(iters, &ledger, |l| lockfree_op(l, &keys, WORST, ACTUAL)))
     });
     g.bench_function("lockfree_tokens_only/2_threads", |b| {
-        b.iter_custom(|iters| two_threads(iters, &ledger, |l| lockfree_op(l, &keys, WORST_T, ACTUAL_T)))
+        b.iter_custom(|iters| {
+            two_threads(iters, &ledger, |l| lockfree_op(l, &keys, WORST_T, ACTUAL_T))
+        })
     });
     g.bench_function("lockfree_resolved/2_threads", |b| {
         b.iter_custom(|iters| two_threads(iters, &ledger, |l| lockfree_resolved_op(l, &resolved)))
     });
     g.bench_function("mutex_hashmap/2_threads", |b| {
-        b.iter_custom(|iters| two_threads(iters, &map, |m| mutex_op(m, &keys, WORST_T.tokens, ACTUAL_T.tokens)))
+        b.iter_custom(|iters| {
+            two_threads(iters, &map, |m| {
+                mutex_op(m, &keys, WORST_T.tokens, ACTUAL_T.tokens)
+            })
+        })
     });
     g.finish();
 

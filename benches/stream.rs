@@ -4,7 +4,6 @@
 //!   cargo bench --bench stream
 
 #[path = "../tests/common/mod.rs"]
-#[allow(dead_code)]
 mod common;
 
 use common::mock::{Answer, MockUpstream};
@@ -62,7 +61,7 @@ fn pct(v: &mut [Duration], p: f64) -> Duration {
 
 async fn ttfb(label: &str, url: &str, n: usize) -> (Duration, Duration) {
     let client = common::client();
-    for _ in 0..50 {
+    for _ in 0..n.min(50) {
         one(&client, url).await;
     }
     let mut v: Vec<Duration> = Vec::with_capacity(n);
@@ -70,7 +69,11 @@ async fn ttfb(label: &str, url: &str, n: usize) -> (Duration, Duration) {
         v.push(one(&client, url).await.0);
     }
     let (p50, p99) = (pct(&mut v, 0.5), pct(&mut v, 0.99));
-    println!("| {label} | TTFB p50 {:.0} µs | p99 {:.0} µs |", p50.as_secs_f64() * 1e6, p99.as_secs_f64() * 1e6);
+    println!(
+        "| {label} | TTFB p50 {:.0} µs | p99 {:.0} µs |",
+        p50.as_secs_f64() * 1e6,
+        p99.as_secs_f64() * 1e6
+    );
     (p50, p99)
 }
 
@@ -101,12 +104,25 @@ async fn throughput(label: &str, url: &str, streams: usize, per: usize) {
 }
 
 fn main() {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    // `cargo bench` passes --bench; `cargo test --all-targets` runs this once as a smoke test.
+    let full = std::env::args().any(|a| a == "--bench");
+    let (samples, per_stream) = if full { (2000, 200) } else { (20, 5) };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
     rt.block_on(async {
         let pieces: Vec<String> = (0..20).map(|i| format!(" {i}")).collect();
         let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
-        let mock = MockUpstream::start_with_default(vec![], Answer::sse_chat(&refs, Some((12, 20)), Duration::ZERO)).await;
-        let policy = tollgate::policy::from_str(&POLICY.replace("URL", &mock.base_url()), "bench.yaml").expect("policy");
+        let mock = MockUpstream::start_with_default(
+            vec![],
+            Answer::sse_chat(&refs, Some((12, 20)), Duration::ZERO),
+        )
+        .await;
+        let policy =
+            tollgate::policy::from_str(&POLICY.replace("URL", &mock.base_url()), "bench.yaml")
+                .expect("policy");
         let snap = Snapshot::build(policy).expect("snapshot");
         let opts = Options {
             listen: Some("127.0.0.1:0".parse().expect("addr")),
@@ -117,12 +133,15 @@ fn main() {
         let through = format!("http://{}/v1/chat/completions", running.addr);
         println!("| path | | |");
         println!("| --- | --- | --- |");
-        let (d50, _) = ttfb("direct", &direct, 2000).await;
-        let (t50, _) = ttfb("tollgate", &through, 2000).await;
-        println!("added TTFB at p50: {:.0} µs", (t50.saturating_sub(d50)).as_secs_f64() * 1e6);
+        let (d50, _) = ttfb("direct", &direct, samples).await;
+        let (t50, _) = ttfb("tollgate", &through, samples).await;
+        println!(
+            "added TTFB at p50: {:.0} µs",
+            (t50.saturating_sub(d50)).as_secs_f64() * 1e6
+        );
         println!();
-        throughput("direct", &direct, 16, 200).await;
-        throughput("tollgate", &through, 16, 200).await;
+        throughput("direct", &direct, 16, per_stream).await;
+        throughput("tollgate", &through, 16, per_stream).await;
         running.shutdown().await;
     });
 }

@@ -11,7 +11,11 @@ pub const EXIT_MISMATCH: u8 = 1;
 pub const EXIT_INVALID: u8 = 2;
 
 #[derive(Debug, Parser)]
-#[command(name = "tollgate", version, about = "A reverse-proxy sidecar that governs what AI calls cost")]
+#[command(
+    name = "tollgate",
+    version,
+    about = "A reverse-proxy sidecar that governs what AI calls cost"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -145,10 +149,15 @@ pub async fn serve(path: &std::path::Path) -> u8 {
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("TOLLGATE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_target(false).try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .try_init();
 }
 
-fn start_audit(p: &crate::policy::Policy) -> std::io::Result<(crate::audit::Audit, Option<crate::audit::AuditWriter>)> {
+fn start_audit(
+    p: &crate::policy::Policy,
+) -> std::io::Result<(crate::audit::Audit, Option<crate::audit::AuditWriter>)> {
     use crate::policy::AuditSink;
     match p.audit.sink {
         AuditSink::Off => Ok((crate::audit::Audit::off(), None)),
@@ -165,9 +174,11 @@ fn start_audit(p: &crate::policy::Policy) -> std::io::Result<(crate::audit::Audi
 #[cfg(unix)]
 async fn wait_for_signals(running: &crate::proxy::Running, path: &std::path::Path) {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int), Ok(mut hup)) =
-        (signal(SignalKind::terminate()), signal(SignalKind::interrupt()), signal(SignalKind::hangup()))
-    else {
+    let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::hangup()),
+    ) else {
         tracing::error!("cannot install signal handlers");
         let _ = tokio::signal::ctrl_c().await;
         return;

@@ -8,7 +8,10 @@ fn main() -> ExitCode {
     let args = Cli::parse();
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     // TOLLGATE_WORKER_THREADS: runtime worker threads (default: one per core).
-    if let Some(n) = std::env::var("TOLLGATE_WORKER_THREADS").ok().and_then(|v| v.parse::<usize>().ok()) {
+    if let Some(n) = std::env::var("TOLLGATE_WORKER_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
         builder.worker_threads(n.max(1));
     }
     let rt = match builder.enable_all().build() {

@@ -111,7 +111,11 @@ pub struct Amount {
 }
 
 impl Amount {
-    pub const ZERO: Amount = Amount { tokens: 0, requests: 0, usd: 0 };
+    pub const ZERO: Amount = Amount {
+        tokens: 0,
+        requests: 0,
+        usd: 0,
+    };
 
     pub fn get(&self, d: Dim) -> u64 {
         match d {
@@ -126,7 +130,11 @@ impl Amount {
     }
 
     pub fn from_array(a: [u64; 3]) -> Self {
-        Amount { tokens: a[0], requests: a[1], usd: a[2] }
+        Amount {
+            tokens: a[0],
+            requests: a[1],
+            usd: a[2],
+        }
     }
 }
 

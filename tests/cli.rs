@@ -27,14 +27,22 @@ fn the_eight_shared_scenarios_pass() {
     assert_eq!(files.len(), 8);
     let out = bin().arg("test").args(&files).output().expect("run");
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(stdout.contains("8 passed, 0 failed"), "{stdout}");
 }
 
 #[test]
 fn our_scenarios_pass() {
     let files = scenario_files(&root().join("tests/scenarios"));
-    assert!(files.len() >= 20, "at least twenty scenarios of our own, found {}", files.len());
+    assert!(
+        files.len() >= 20,
+        "at least twenty scenarios of our own, found {}",
+        files.len()
+    );
     let out = bin().arg("test").args(&files).output().expect("run");
     assert!(
         out.status.success(),
@@ -46,17 +54,28 @@ fn our_scenarios_pass() {
 
 #[test]
 fn a_wrong_expectation_exits_1_with_a_diff() {
-    let out = bin().args(["test", "tests/fixtures/wrong-expect.yaml"]).current_dir(root()).output().expect("run");
+    let out = bin()
+        .args(["test", "tests/fixtures/wrong-expect.yaml"])
+        .current_dir(root())
+        .output()
+        .expect("run");
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("final_action: expected HARD_STOP, got ALLOW"), "{err}");
+    assert!(
+        err.contains("final_action: expected HARD_STOP, got ALLOW"),
+        "{err}"
+    );
     assert!(err.contains("http_status: expected 403, got 200"), "{err}");
 }
 
 #[test]
 fn json_prints_every_record() {
     let out = bin()
-        .args(["test", "--json", "tests/scenarios/shared/01-baseline-allowed.yaml"])
+        .args([
+            "test",
+            "--json",
+            "tests/scenarios/shared/01-baseline-allowed.yaml",
+        ])
         .current_dir(root())
         .output()
         .expect("run");
@@ -70,35 +89,69 @@ fn json_prints_every_record() {
 
 #[test]
 fn a_missing_or_unparsable_scenario_exits_2() {
-    let out = bin().args(["test", "tests/fixtures/does-not-exist.yaml"]).current_dir(root()).output().expect("run");
+    let out = bin()
+        .args(["test", "tests/fixtures/does-not-exist.yaml"])
+        .current_dir(root())
+        .output()
+        .expect("run");
     assert_eq!(out.status.code(), Some(2));
-    let out = bin().args(["test", "tests/fixtures/unknown-key.yaml"]).current_dir(root()).output().expect("run");
-    assert_eq!(out.status.code(), Some(2), "a policy file is not a scenario");
+    let out = bin()
+        .args(["test", "tests/fixtures/unknown-key.yaml"])
+        .current_dir(root())
+        .output()
+        .expect("run");
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "a policy file is not a scenario"
+    );
 }
 
 #[test]
 fn check_names_an_unknown_key_and_its_line() {
-    let out = bin().args(["check", "tests/fixtures/unknown-key.yaml"]).current_dir(root()).output().expect("run");
+    let out = bin()
+        .args(["check", "tests/fixtures/unknown-key.yaml"])
+        .current_dir(root())
+        .output()
+        .expect("run");
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("colour"), "{err}");
-    assert!(err.contains(":6:") || err.contains("line 6"), "names line 6: {err}");
+    assert!(
+        err.contains(":6:") || err.contains("line 6"),
+        "names line 6: {err}"
+    );
 }
 
 #[test]
 fn check_names_a_dangling_backend_and_its_line() {
-    let out = bin().args(["check", "tests/fixtures/dangling-backend.yaml"]).current_dir(root()).output().expect("run");
+    let out = bin()
+        .args(["check", "tests/fixtures/dangling-backend.yaml"])
+        .current_dir(root())
+        .output()
+        .expect("run");
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("gemnii"), "{err}");
     assert!(err.contains("routes[0].chain[1].backend"), "{err}");
-    assert!(err.contains(":10:") || err.contains("line 10"), "names line 10: {err}");
+    assert!(
+        err.contains(":10:") || err.contains("line 10"),
+        "names line 10: {err}"
+    );
 }
 
 #[test]
 fn check_accepts_the_default_policy_and_summarises_it() {
-    let out = bin().args(["check", "policies/default.yaml"]).current_dir(root()).output().expect("run");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = bin()
+        .args(["check", "policies/default.yaml"])
+        .current_dir(root())
+        .output()
+        .expect("run");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let s = String::from_utf8_lossy(&out.stdout);
     assert!(s.contains("chat: ollama/llama3.1:8b -> gemini/gemini-2.0-flash -> claude/claude-3-5-haiku-latest -> static"), "{s}");
 }

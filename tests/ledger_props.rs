@@ -42,7 +42,8 @@ fn hard_limit(max: u64) -> impl Strategy<Value = Option<u64>> {
 
 fn setup() -> impl Strategy<Value = Setup> {
     (1..=MAX_COUNTERS).prop_flat_map(|n| {
-        let hard = prop::collection::vec([hard_limit(10_000), hard_limit(12), hard_limit(20_000)], n);
+        let hard =
+            prop::collection::vec([hard_limit(10_000), hard_limit(12), hard_limit(20_000)], n);
         let seed = prop::collection::vec([0..=600u64, 0..=600u64, 0..=600u64], n);
         (hard, seed).prop_map(|(hard, seed)| Setup { hard, seed })
     })
@@ -94,7 +95,11 @@ impl World {
         let mut counters = Vec::new();
         let mut model = vec![Model::default(); n];
         for i in 0..n {
-            let key = CounterKey { scope: Scope::Consumer, id: Arc::from(format!("c{i}")), window: None };
+            let key = CounterKey {
+                scope: Scope::Consumer,
+                id: Arc::from(format!("c{i}")),
+                window: None,
+            };
             let c = ledger.counter(&key, i64::MAX);
             let seed: [u64; 3] = std::array::from_fn(|d| match s.hard[i][d] {
                 Some(h) => h * s.seed[i][d] / 1000,
@@ -104,7 +109,13 @@ impl World {
             model[i].committed = seed;
             counters.push(c);
         }
-        World { ledger, counters, hard: s.hard.clone(), model, out: Vec::new() }
+        World {
+            ledger,
+            counters,
+            hard: s.hard.clone(),
+            model,
+            out: Vec::new(),
+        }
     }
 
     /// The refusal the model predicts for `amount` on `parts`, if any.
@@ -118,7 +129,14 @@ impl World {
                 }
                 if let Some(h) = self.hard[ci][d] {
                     if used + amount[d] > h {
-                        return Some(Refusal { part: pi, refusal: DimRefusal { dim: *dim, used, hard: h } });
+                        return Some(Refusal {
+                            part: pi,
+                            refusal: DimRefusal {
+                                dim: *dim,
+                                used,
+                                hard: h,
+                            },
+                        });
                     }
                 }
             }
@@ -129,16 +147,26 @@ impl World {
     fn step(&mut self, op: &Op) -> Result<(), TestCaseError> {
         match op {
             Op::Reserve { parts, amount } => {
-                let parts: Vec<usize> = parts.iter().copied().filter(|&i| i < self.counters.len()).collect();
+                let parts: Vec<usize> = parts
+                    .iter()
+                    .copied()
+                    .filter(|&i| i < self.counters.len())
+                    .collect();
                 if parts.is_empty() {
                     return Ok(());
                 }
                 let rp: Vec<ReservePart> = parts
                     .iter()
-                    .map(|&i| ReservePart { counter: self.counters[i].clone(), hard: self.hard[i] })
+                    .map(|&i| ReservePart {
+                        counter: self.counters[i].clone(),
+                        hard: self.hard[i],
+                    })
                     .collect();
                 let expect = self.predict(&parts, *amount);
-                match (self.ledger.reserve(&rp, Amount::from_array(*amount)), expect) {
+                match (
+                    self.ledger.reserve(&rp, Amount::from_array(*amount)),
+                    expect,
+                ) {
                     (Ok(res), None) => {
                         prop_assert_eq!(res.amount(), Amount::from_array(*amount));
                         for &i in &parts {
@@ -146,11 +174,19 @@ impl World {
                                 self.model[i].reserved[d] += amount[d];
                             }
                         }
-                        self.out.push(Outstanding { res, parts, amount: *amount });
+                        self.out.push(Outstanding {
+                            res,
+                            parts,
+                            amount: *amount,
+                        });
                     }
                     (Err(got), Some(want)) => prop_assert_eq!(got, want),
-                    (Ok(_), Some(want)) => prop_assert!(false, "reserved although {want:?} expected"),
-                    (Err(got), None) => prop_assert!(false, "refused with {got:?} although it fits"),
+                    (Ok(_), Some(want)) => {
+                        prop_assert!(false, "reserved although {want:?} expected")
+                    }
+                    (Err(got), None) => {
+                        prop_assert!(false, "refused with {got:?} although it fits")
+                    }
                 }
             }
             Op::Commit { pick, frac } => {
@@ -159,8 +195,11 @@ impl World {
                 }
                 let o = self.out.swap_remove(pick % self.out.len());
                 let actual: [u64; 3] = std::array::from_fn(|d| o.amount[d] * frac[d] / 1000);
-                let want_before: Vec<Amount> =
-                    o.parts.iter().map(|&i| Amount::from_array(self.model[i].committed)).collect();
+                let want_before: Vec<Amount> = o
+                    .parts
+                    .iter()
+                    .map(|&i| Amount::from_array(self.model[i].committed))
+                    .collect();
                 let before = o.res.commit(Amount::from_array(actual));
                 prop_assert_eq!(before, want_before);
                 for &i in &o.parts {
@@ -202,11 +241,26 @@ impl World {
             }
             prop_assert_eq!(reserved.as_array(), sum, "counter {} reserved", i);
             prop_assert_eq!(reserved.as_array(), self.model[i].reserved);
-            prop_assert_eq!(committed.as_array(), self.model[i].committed, "counter {} committed", i);
+            prop_assert_eq!(
+                committed.as_array(),
+                self.model[i].committed,
+                "counter {} committed",
+                i
+            );
             for d in 0..3 {
-                prop_assert_eq!(used.as_array()[d], committed.as_array()[d] + reserved.as_array()[d]);
+                prop_assert_eq!(
+                    used.as_array()[d],
+                    committed.as_array()[d] + reserved.as_array()[d]
+                );
                 if let Some(h) = self.hard[i][d] {
-                    prop_assert!(used.as_array()[d] <= h, "counter {} dim {} used {:?} > hard {}", i, d, used, h);
+                    prop_assert!(
+                        used.as_array()[d] <= h,
+                        "counter {} dim {} used {:?} > hard {}",
+                        i,
+                        d,
+                        used,
+                        h
+                    );
                 }
             }
         }

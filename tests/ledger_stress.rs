@@ -52,12 +52,20 @@ struct ThreadTotals {
 fn eight_threads_never_cross_the_shared_hard_limit() {
     let started = std::time::Instant::now();
     let ledger = Ledger::new();
-    let shared_key = CounterKey { scope: Scope::Global, id: Arc::from("*"), window: None };
+    let shared_key = CounterKey {
+        scope: Scope::Global,
+        id: Arc::from("*"),
+        window: None,
+    };
     let shared = ledger.counter(&shared_key, i64::MAX);
     let shared_hard = [Some(HARD_TOKENS), None, Some(HARD_USD)];
     let own: Vec<Arc<Counter>> = (0..THREADS)
         .map(|i| {
-            let key = CounterKey { scope: Scope::Consumer, id: Arc::from(format!("t{i}")), window: None };
+            let key = CounterKey {
+                scope: Scope::Consumer,
+                id: Arc::from(format!("t{i}")),
+                window: None,
+            };
             ledger.counter(&key, i64::MAX)
         })
         .collect();
@@ -74,8 +82,18 @@ fn eight_threads_never_cross_the_shared_hard_limit() {
             loop {
                 let finished = done.load(Ordering::Acquire);
                 let u = shared.used();
-                assert!(u.tokens <= HARD_TOKENS, "shared used {} tokens > hard {}", u.tokens, HARD_TOKENS);
-                assert!(u.usd <= HARD_USD, "shared used {} usd > hard {}", u.usd, HARD_USD);
+                assert!(
+                    u.tokens <= HARD_TOKENS,
+                    "shared used {} tokens > hard {}",
+                    u.tokens,
+                    HARD_TOKENS
+                );
+                assert!(
+                    u.usd <= HARD_USD,
+                    "shared used {} usd > hard {}",
+                    u.usd,
+                    HARD_USD
+                );
                 max_seen.fetch_max(u.tokens, Ordering::Relaxed);
                 for (t, c) in own.iter().enumerate() {
                     assert!(c.used().requests <= own_request_limit(t));
@@ -96,11 +114,18 @@ fn eight_threads_never_cross_the_shared_hard_limit() {
             .map(|t| {
                 let (ledger, shared, mine) = (&ledger, shared.clone(), own[t].clone());
                 s.spawn(move || {
-                    let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ ((t as u64 + 1) * 0x1234_5678_9ABC_DEF1));
+                    let mut rng =
+                        Rng(0x9E37_79B9_7F4A_7C15 ^ ((t as u64 + 1) * 0x1234_5678_9ABC_DEF1));
                     let mut tot = ThreadTotals::default();
                     let parts = [
-                        ReservePart { counter: shared, hard: shared_hard },
-                        ReservePart { counter: mine, hard: [None, Some(own_request_limit(t)), None] },
+                        ReservePart {
+                            counter: shared,
+                            hard: shared_hard,
+                        },
+                        ReservePart {
+                            counter: mine,
+                            hard: [None, Some(own_request_limit(t)), None],
+                        },
                     ];
                     // Up to HELD reservations in flight per thread; a new one settles a
                     // random held one first, so that many are in flight near the limit.
@@ -130,7 +155,11 @@ fn eight_threads_never_cross_the_shared_hard_limit() {
                             let r = held.swap_remove(i);
                             settle(r, &mut rng, &mut tot);
                         }
-                        let amount = Amount { tokens: 1 + rng.below(1_500), requests: 1, usd: rng.below(800) };
+                        let amount = Amount {
+                            tokens: 1 + rng.below(1_500),
+                            requests: 1,
+                            usd: rng.below(800),
+                        };
                         match ledger.reserve(&parts, amount) {
                             Ok(r) => {
                                 tot.reserved_ok += 1;
@@ -157,15 +186,21 @@ fn eight_threads_never_cross_the_shared_hard_limit() {
         // Stop the watcher whatever the workers did, then fail on any worker's panic.
         let results: Vec<_> = workers.into_iter().map(|h| h.join()).collect();
         done.store(true, Ordering::Release);
-        results.into_iter().map(|r| r.unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .collect()
     });
 
-    let sum: [u64; 3] =
-        std::array::from_fn(|d| totals.iter().map(|t| t.committed[d]).sum::<u64>());
+    let sum: [u64; 3] = std::array::from_fn(|d| totals.iter().map(|t| t.committed[d]).sum::<u64>());
     let committed = shared.committed();
     assert!(committed.tokens <= HARD_TOKENS);
     assert!(committed.usd <= HARD_USD);
-    assert_eq!(committed.as_array(), sum, "shared committed equals what the threads committed");
+    assert_eq!(
+        committed.as_array(),
+        sum,
+        "shared committed equals what the threads committed"
+    );
     assert_eq!(shared.reserved(), Amount::ZERO);
     assert_eq!(shared.used(), committed);
     for (i, (c, t)) in own.iter().zip(&totals).enumerate() {
@@ -178,7 +213,10 @@ fn eight_threads_never_cross_the_shared_hard_limit() {
     let ok: u64 = totals.iter().map(|t| t.reserved_ok).sum();
     let refused_shared: u64 = totals.iter().map(|t| t.refused_shared).sum();
     let refused_own: u64 = totals.iter().map(|t| t.refused_own).sum();
-    assert_eq!(ok + refused_shared + refused_own, THREADS as u64 * PER_THREAD);
+    assert_eq!(
+        ok + refused_shared + refused_own,
+        THREADS as u64 * PER_THREAD
+    );
     // The run must actually have pushed against the shared limit.
     assert!(refused_shared > 0, "the shared budget was never reached");
     assert!(refused_own > 0, "no thread reached its own limit");

@@ -60,7 +60,12 @@ async fn scripted_order_then_default() {
 #[tokio::test]
 async fn custom_default_and_no_usage() {
     let up = MockUpstream::start_with_default(vec![], Answer::ok_chat_no_usage("x")).await;
-    let (s, _, b) = post_json(&format!("{}/chat/completions", up.base_url()), &chat_req("m"), &[]).await;
+    let (s, _, b) = post_json(
+        &format!("{}/chat/completions", up.base_url()),
+        &chat_req("m"),
+        &[],
+    )
+    .await;
     assert_eq!(s, 200);
     let v = json(&b);
     assert_eq!(v["choices"][0]["message"]["content"], "x");
@@ -73,7 +78,9 @@ async fn headers_and_status() {
         Answer::status(429)
             .header("retry-after", "2")
             .header("x-ratelimit-remaining-requests", "0"),
-        Answer::json(418, j!({"teapot": true})).header("x-a", "1").header("x-a", "2"),
+        Answer::json(418, j!({"teapot": true}))
+            .header("x-a", "1")
+            .header("x-a", "2"),
         Answer::raw(200, "application/json", "{not json").header("content-type", "text/plain"),
         Answer::insufficient_quota(),
     ])
@@ -91,7 +98,11 @@ async fn headers_and_status() {
     let (s, h, b) = post_json(&url, &chat_req("m"), &[]).await;
     assert_eq!(s, 418);
     assert_eq!(json(&b), j!({"teapot": true}));
-    let xa: Vec<_> = h.get_all("x-a").iter().map(|v| v.to_str().unwrap()).collect();
+    let xa: Vec<_> = h
+        .get_all("x-a")
+        .iter()
+        .map(|v| v.to_str().unwrap())
+        .collect();
     assert_eq!(xa, ["1", "2"]);
 
     let (s, h, b) = post_json(&url, &chat_req("m"), &[]).await;
@@ -107,12 +118,18 @@ async fn headers_and_status() {
 
 #[tokio::test]
 async fn delay_waits_and_request_is_recorded_first() {
-    let up = MockUpstream::start(vec![Answer::ok_chat("slow", 1, 1).delay(Duration::from_millis(400))]).await;
+    let up = MockUpstream::start(vec![
+        Answer::ok_chat("slow", 1, 1).delay(Duration::from_millis(400))
+    ])
+    .await;
     let url = format!("{}/chat/completions", up.base_url());
     let t0 = Instant::now();
     let call = tokio::spawn(async move { post_json(&url, &chat_req("m"), &[]).await });
     assert_eq!(up.wait_for_hits(1, Duration::from_secs(5)).await, 1);
-    assert!(t0.elapsed() < Duration::from_millis(400), "recorded before the delay ends");
+    assert!(
+        t0.elapsed() < Duration::from_millis(400),
+        "recorded before the delay ends"
+    );
     assert!(!call.is_finished());
     let (s, _, b) = call.await.unwrap();
     assert!(t0.elapsed() >= Duration::from_millis(400));
@@ -138,8 +155,17 @@ async fn reset_gives_a_client_error_then_server_keeps_working() {
 #[tokio::test]
 async fn sse_frames_arrive_over_time() {
     let events: Vec<String> = (0..4).map(|i| format!("data: {{\"n\":{i}}}\n\n")).collect();
-    let up = MockUpstream::start(vec![Answer::sse(events.clone(), Duration::from_millis(150))]).await;
-    let st = post_json_frames(&format!("{}/chat/completions", up.base_url()), &chat_req("m"), &[]).await;
+    let up = MockUpstream::start(vec![Answer::sse(
+        events.clone(),
+        Duration::from_millis(150),
+    )])
+    .await;
+    let st = post_json_frames(
+        &format!("{}/chat/completions", up.base_url()),
+        &chat_req("m"),
+        &[],
+    )
+    .await;
     assert_eq!(st.status, 200);
     assert_eq!(st.headers["content-type"], "text/event-stream");
     assert!(st.error.is_none());
@@ -147,7 +173,10 @@ async fn sse_frames_arrive_over_time() {
     assert!(st.frames.len() >= 4, "frames: {:?}", st.frames);
     let first = st.frames.first().unwrap().0;
     let last = st.frames.last().unwrap().0;
-    assert!(last - first >= Duration::from_millis(400), "first {first:?} last {last:?}");
+    assert!(
+        last - first >= Duration::from_millis(400),
+        "first {first:?} last {last:?}"
+    );
 }
 
 #[tokio::test]
@@ -165,7 +194,10 @@ async fn sse_chat_with_and_without_usage() {
     let st = post_json_frames(&url, &req, &[]).await;
     let data = st.sse_data();
     assert_eq!(data.last().unwrap(), "[DONE]");
-    let chunks: Vec<serde_json::Value> = data[..data.len() - 1].iter().map(|d| json(d.as_bytes())).collect();
+    let chunks: Vec<serde_json::Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| json(d.as_bytes()))
+        .collect();
     assert_eq!(chunks.len(), 5, "role, 2 pieces, finish, usage");
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let text: String = chunks
@@ -174,7 +206,9 @@ async fn sse_chat_with_and_without_usage() {
         .collect();
     assert_eq!(text, "Hello");
     assert_eq!(chunks[3]["choices"][0]["finish_reason"], "stop");
-    assert!(chunks[..4].iter().all(|c| c["usage"].is_null() && c.get("usage").is_some()));
+    assert!(chunks[..4]
+        .iter()
+        .all(|c| c["usage"].is_null() && c.get("usage").is_some()));
     assert_eq!(chunks[4]["choices"], j!([]));
     assert_eq!(chunks[4]["usage"]["prompt_tokens"], 8);
     assert_eq!(chunks[4]["usage"]["completion_tokens"], 4);
@@ -190,11 +224,19 @@ async fn sse_chat_with_and_without_usage() {
 
 #[tokio::test]
 async fn aborted_stream_reports_body_error() {
-    let up = MockUpstream::start(vec![
-        Answer::sse_chat(&["a"], Some((1, 1)), Duration::from_millis(5)).abort_body(),
-    ])
+    let up = MockUpstream::start(vec![Answer::sse_chat(
+        &["a"],
+        Some((1, 1)),
+        Duration::from_millis(5),
+    )
+    .abort_body()])
     .await;
-    let st = post_json_frames(&format!("{}/chat/completions", up.base_url()), &chat_req("m"), &[]).await;
+    let st = post_json_frames(
+        &format!("{}/chat/completions", up.base_url()),
+        &chat_req("m"),
+        &[],
+    )
+    .await;
     assert_eq!(st.status, 200);
     assert!(st.error.is_some(), "expected a body error");
     assert!(st.text().contains("[DONE]"));
@@ -207,7 +249,10 @@ async fn request_recording() {
     let (s, _, b) = post_json(
         &format!("{}/embeddings", up.base_url()),
         &body,
-        &[("authorization", "Bearer sk-test"), ("x-tollgate-job", "j1")],
+        &[
+            ("authorization", "Bearer sk-test"),
+            ("x-tollgate-job", "j1"),
+        ],
     )
     .await;
     assert_eq!(s, 200);
@@ -230,7 +275,10 @@ async fn request_recording() {
     assert_eq!(r.header("content-type"), Some("application/json"));
     assert_eq!(r.json.as_ref(), Some(&body));
     assert_eq!(r.model(), Some("text-embedding-3-small"));
-    assert_eq!(serde_json::from_slice::<serde_json::Value>(&r.body).unwrap(), body);
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&r.body).unwrap(),
+        body
+    );
     let last = up.last_request().unwrap();
     assert_eq!(last.method, http::Method::GET);
     assert_eq!(last.path, "/v1/models");
@@ -245,9 +293,10 @@ async fn keep_alive_reuses_the_connection() {
     let c = common::client();
     let url = format!("{}/chat/completions", up.base_url());
     for _ in 0..3 {
-        let (s, _, _) = common::try_send_with(&c, http::Method::POST, &url, Some(&chat_req("m")), &[])
-            .await
-            .unwrap();
+        let (s, _, _) =
+            common::try_send_with(&c, http::Method::POST, &url, Some(&chat_req("m")), &[])
+                .await
+                .unwrap();
         assert_eq!(s, 200);
     }
     let conns: Vec<usize> = up.requests().iter().map(|r| r.conn).collect();
@@ -265,16 +314,26 @@ async fn concurrent_requests_consume_the_script_once_each() {
     let mut tasks = Vec::new();
     for _ in 0..n {
         let url = url.clone();
-        tasks.push(tokio::spawn(async move { post_json(&url, &chat_req("m"), &[]).await }));
+        tasks.push(tokio::spawn(async move {
+            post_json(&url, &chat_req("m"), &[]).await
+        }));
     }
     let t0 = Instant::now();
     let mut got = Vec::new();
     for t in tasks {
         let (s, _, b) = t.await.unwrap();
         assert_eq!(s, 200);
-        got.push(json(&b)["choices"][0]["message"]["content"].as_str().unwrap().to_string());
+        got.push(
+            json(&b)["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
     }
-    assert!(t0.elapsed() < Duration::from_millis(50 * n as u64), "served concurrently");
+    assert!(
+        t0.elapsed() < Duration::from_millis(50 * n as u64),
+        "served concurrently"
+    );
     got.sort();
     let mut want: Vec<String> = (0..n).map(|i| format!("a{i}")).collect();
     want.sort();

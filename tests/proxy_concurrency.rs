@@ -26,14 +26,20 @@ const MAX_TOKENS: u64 = 100;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_never_cross_a_hard_budget() {
     let body = j!({"model": "chat", "messages": [{"role": "user", "content": "count my tokens, please"}], "max_tokens": MAX_TOKENS});
-    let est = estimate::estimate(Endpoint::Chat, &body, Tokenizer::O200k).unwrap().input_tokens;
+    let est = estimate::estimate(Endpoint::Chat, &body, Tokenizer::O200k)
+        .unwrap()
+        .input_tokens;
     // Each request's worst case; the mock reports exactly that as usage, so nothing is released
     // and the budget admits exactly K of them whatever the interleaving.
     let worst = est + MAX_TOKENS;
     let bound = K * worst;
 
     // A little latency so that many reservations are in flight at once.
-    let up = MockUpstream::start_with_default(vec![], Answer::ok_chat("ok", est, MAX_TOKENS).delay(Duration::from_millis(20))).await;
+    let up = MockUpstream::start_with_default(
+        vec![],
+        Answer::ok_chat("ok", est, MAX_TOKENS).delay(Duration::from_millis(20)),
+    )
+    .await;
     let yaml = format!(
         r#"
 version: cc-1
@@ -65,7 +71,11 @@ budgets:
     let tz = running.app.snap.load().policy.windows.timezone.clone();
     let now = jiff::Timestamp::now().as_millisecond();
     let wk = window_at(&tz, Window::Month, now);
-    let key = CounterKey { scope: Scope::Global, id: Arc::from("global"), window: Some(wk) };
+    let key = CounterKey {
+        scope: Scope::Global,
+        id: Arc::from("global"),
+        window: Some(wk),
+    };
     // The same counter the plan uses (created on first use either way).
     let counter = ledger.counter(&key, window_end(&tz, wk));
 
@@ -95,7 +105,14 @@ budgets:
         let (client, url, body) = (client.clone(), url.clone(), body.clone());
         tasks.spawn(async move {
             let job = format!("cc-{i}");
-            let r = try_send_with(&client, Method::POST, &url, Some(&body), &[("x-tollgate-job", job.as_str())]).await;
+            let r = try_send_with(
+                &client,
+                Method::POST,
+                &url,
+                Some(&body),
+                &[("x-tollgate-job", job.as_str())],
+            )
+            .await;
             (i, r)
         });
     }
@@ -106,7 +123,9 @@ budgets:
         }
         out
     };
-    let results = tokio::time::timeout(Duration::from_secs(60), run).await.expect("all requests answered");
+    let results = tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("all requests answered");
     stop.store(true, Ordering::Release);
     let samples = watcher.await.expect("the watcher saw the bound hold");
     assert!(samples > 0);
@@ -132,12 +151,19 @@ budgets:
                 assert_eq!(t["usage_evidence_state"], "NONE");
                 assert_eq!(v["error"]["code"], "hard_budget_exceeded");
             }
-            s => panic!("request {i}: unexpected {s}: {h:?} {}", String::from_utf8_lossy(&b)),
+            s => panic!(
+                "request {i}: unexpected {s}: {h:?} {}",
+                String::from_utf8_lossy(&b)
+            ),
         }
     }
     assert_eq!(ok, K, "exactly what the budget allows is admitted");
     assert_eq!(stopped, REQUESTS as u64 - K);
-    assert_eq!(up.hits() as u64, K, "refused requests never reach the upstream");
+    assert_eq!(
+        up.hits() as u64,
+        K,
+        "refused requests never reach the upstream"
+    );
     assert_eq!(counter.committed().tokens, K * worst);
     assert_eq!(counter.committed().requests, K);
     assert_eq!(counter.reserved().tokens, 0);
@@ -145,8 +171,12 @@ budgets:
     assert!(max_used.load(Ordering::Acquire) <= bound);
 
     // Full: one more request is refused before any call.
-    let (s, _, _) = try_send_with(&client, Method::POST, &url, Some(&body), &[]).await.unwrap();
+    let (s, _, _) = try_send_with(&client, Method::POST, &url, Some(&body), &[])
+        .await
+        .unwrap();
     assert_eq!(s, 403);
     assert_eq!(up.hits() as u64, K);
-    tokio::time::timeout(Duration::from_secs(10), running.shutdown()).await.expect("shutdown");
+    tokio::time::timeout(Duration::from_secs(10), running.shutdown())
+        .await
+        .expect("shutdown");
 }

@@ -29,7 +29,8 @@ struct Sidecar {
 
 impl Sidecar {
     async fn start(yaml: &str) -> Sidecar {
-        let policy = tollgate::policy::from_str(yaml, "test.yaml").unwrap_or_else(|e| panic!("policy: {e}\n{yaml}"));
+        let policy = tollgate::policy::from_str(yaml, "test.yaml")
+            .unwrap_or_else(|e| panic!("policy: {e}\n{yaml}"));
         let snap = Snapshot::build(policy).expect("snapshot");
         let dir = tempfile::tempdir().expect("tempdir");
         let audit_path = dir.path().join("audit.jsonl");
@@ -45,7 +46,12 @@ impl Sidecar {
         .await
         .expect("start sidecar");
         let base = format!("http://{}/v1", running.addr);
-        Sidecar { running, base, audit_path, _dir: dir }
+        Sidecar {
+            running,
+            base,
+            audit_path,
+            _dir: dir,
+        }
     }
 
     fn chat_url(&self) -> String {
@@ -67,7 +73,10 @@ impl Sidecar {
                     }
                 }
             }
-            assert!(Instant::now() < deadline, "no audit record for {request_id}:\n{text}");
+            assert!(
+                Instant::now() < deadline,
+                "no audit record for {request_id}:\n{text}"
+            );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
@@ -80,7 +89,9 @@ impl Sidecar {
 }
 
 fn hdr<'a>(h: &'a HeaderMap, name: &str) -> &'a str {
-    h.get(name).and_then(|v| v.to_str().ok()).unwrap_or_else(|| panic!("missing header {name}: {h:?}"))
+    h.get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_else(|| panic!("missing header {name}: {h:?}"))
 }
 
 fn chat(content: &str) -> Value {
@@ -124,7 +135,11 @@ fallback: {{max_fallbacks_per_job: 2, max_amplification: 3.0}}
     let t0 = Instant::now();
     let (s, h, body) = post_json(&sc.chat_url(), &chat("hi"), &rid("fo-1")).await;
     assert_eq!(s, 200, "{h:?} {}", String::from_utf8_lossy(&body));
-    assert!(t0.elapsed() < Duration::from_secs(5), "no waiting on the way down the chain: {:?}", t0.elapsed());
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "no waiting on the way down the chain: {:?}",
+        t0.elapsed()
+    );
     assert_eq!(hdr(&h, "x-tollgate-backend"), "third");
     assert_eq!(hdr(&h, "x-tollgate-action"), "ALLOW");
     // A request served by a fallback keeps the reason why the primary was not used.
@@ -219,12 +234,18 @@ async fn short_retry_after_is_waited_out_then_the_same_backend_serves() {
     let (s, h, body) = post_json(&sc.chat_url(), &chat("hi"), &rid("ra-short")).await;
     let took = t0.elapsed();
     assert_eq!(s, 200, "{h:?} {}", String::from_utf8_lossy(&body));
-    assert!(took >= Duration::from_secs(1), "Retry-After: 1 is honoured: took {took:?}");
+    assert!(
+        took >= Duration::from_secs(1),
+        "Retry-After: 1 is honoured: took {took:?}"
+    );
     assert!(took < Duration::from_secs(5), "took {took:?}");
     assert_eq!(up.hits(), 2, "the same (only) backend, twice");
     assert_eq!(hdr(&h, "x-tollgate-backend"), "primary");
     assert!(!h.contains_key("retry-after"));
-    assert_eq!(json(&body)["choices"][0]["message"]["content"], "after the wait");
+    assert_eq!(
+        json(&body)["choices"][0]["message"]["content"],
+        "after the wait"
+    );
     let au = sc.audit("ra-short").await;
     assert_eq!(au["retry_state"], "RETRIED");
     assert_eq!(au["fallback_state"], "NOT_NEEDED");
@@ -239,7 +260,11 @@ async fn long_retry_after_defers_with_the_upstream_delay() {
     let sc = Sidecar::start(&one_backend(&up.base_url(), "")).await; // max_retry_after 10s
     let t0 = Instant::now();
     let (s, h, body) = post_json(&sc.chat_url(), &chat("hi"), &rid("ra-long")).await;
-    assert!(t0.elapsed() < Duration::from_secs(5), "not waited in-request: {:?}", t0.elapsed());
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "not waited in-request: {:?}",
+        t0.elapsed()
+    );
     assert_eq!(s, 429, "{h:?} {}", String::from_utf8_lossy(&body));
     assert_eq!(hdr(&h, "retry-after"), "120");
     assert_eq!(hdr(&h, "x-tollgate-action"), "DEFER");
@@ -255,7 +280,9 @@ async fn long_retry_after_defers_with_the_upstream_delay() {
     assert_eq!(up.hits(), 1, "no retry inside the request");
 
     // The Retry-After in milliseconds spelling is read too (and wins over retry-after).
-    up.push_answers(vec![Answer::status(429).header("retry-after-ms", "45000").header("retry-after", "1")]);
+    up.push_answers(vec![Answer::status(429)
+        .header("retry-after-ms", "45000")
+        .header("retry-after", "1")]);
     let (s, h, _) = post_json(&sc.chat_url(), &chat("hi"), &[]).await;
     assert_eq!(s, 429);
     assert_eq!(hdr(&h, "retry-after"), "45");
@@ -333,7 +360,12 @@ async fn circuit_opens_after_threshold_and_closes_after_half_open_probe() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_half_open_probe_reopens_the_circuit() {
-    let up = MockUpstream::start(vec![Answer::status(500), Answer::status(500), Answer::status(500)]).await;
+    let up = MockUpstream::start(vec![
+        Answer::status(500),
+        Answer::status(500),
+        Answer::status(500),
+    ])
+    .await;
     let sc = Sidecar::start(&circuit_policy(&up.base_url())).await;
     let url = sc.chat_url();
     for _ in 0..2 {
@@ -388,7 +420,11 @@ async fn half_open_admits_one_probe_the_other_is_treated_as_open() {
     let (s, h, _) = probe.await.unwrap();
     assert_eq!(s, 200);
     assert_eq!(hdr(&h, "x-tollgate-reason"), "HALF_OPEN_PROBE");
-    assert_eq!(up.hits(), 3, "the request without a probe slot made no call");
+    assert_eq!(
+        up.hits(),
+        3,
+        "the request without a probe slot made no call"
+    );
     assert_eq!(sc.circuit("primary").raw_state(), CircuitState::Closed);
     sc.stop().await;
 }
@@ -431,7 +467,10 @@ retry: {{same_backend_retries: 0}}
 /// A backend that does not answer within its first-byte timeout is a failure: fail over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn first_byte_timeout_fails_over() {
-    let a = MockUpstream::start(vec![Answer::ok_chat("too late", 1, 1).delay(Duration::from_secs(5))]).await;
+    let a = MockUpstream::start(vec![
+        Answer::ok_chat("too late", 1, 1).delay(Duration::from_secs(5))
+    ])
+    .await;
     let b = MockUpstream::start(vec![]).await;
     let yaml = format!(
         r#"
@@ -452,7 +491,10 @@ retry: {{same_backend_retries: 0}}
     let (s, h, body) = post_json(&sc.chat_url(), &chat("hi"), &rid("to-1")).await;
     let took = t0.elapsed();
     assert_eq!(s, 200, "{h:?} {}", String::from_utf8_lossy(&body));
-    assert!(took >= Duration::from_millis(300) && took < Duration::from_secs(3), "took {took:?}");
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(3),
+        "took {took:?}"
+    );
     assert_eq!(hdr(&h, "x-tollgate-backend"), "fast");
     let au = sc.audit("to-1").await;
     assert_eq!(au["attempts"][0]["outcome"], "timeout");
@@ -467,12 +509,19 @@ async fn retry_after_spellings_http_date_and_gemini_body() {
     let date = httpdate::fmt_http_date(when);
     let gemini = j!({"error": {"code": 429, "message": "Resource has been exhausted", "status": "RESOURCE_EXHAUSTED",
         "details": [{"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "33s"}]}});
-    let up = MockUpstream::start(vec![Answer::status(429).header("retry-after", &date), Answer::json(429, gemini)]).await;
+    let up = MockUpstream::start(vec![
+        Answer::status(429).header("retry-after", &date),
+        Answer::json(429, gemini),
+    ])
+    .await;
     let sc = Sidecar::start(&one_backend(&up.base_url(), "")).await;
     let (s, h, _) = post_json(&sc.chat_url(), &chat("hi"), &[]).await;
     assert_eq!(s, 429);
     let ra: u64 = hdr(&h, "retry-after").parse().unwrap();
-    assert!((119..=121).contains(&ra), "HTTP-date Retry-After ≈ 120 s, got {ra}");
+    assert!(
+        (119..=121).contains(&ra),
+        "HTTP-date Retry-After ≈ 120 s, got {ra}"
+    );
     let (s, h, _) = post_json(&sc.chat_url(), &chat("hi"), &[]).await;
     assert_eq!(s, 429);
     assert_eq!(hdr(&h, "retry-after"), "33");

@@ -46,7 +46,8 @@ struct Sidecar {
 
 impl Sidecar {
     async fn start(yaml: &str) -> Sidecar {
-        let policy = tollgate::policy::from_str(yaml, "test.yaml").unwrap_or_else(|e| panic!("policy: {e}\n{yaml}"));
+        let policy = tollgate::policy::from_str(yaml, "test.yaml")
+            .unwrap_or_else(|e| panic!("policy: {e}\n{yaml}"));
         let snap = Snapshot::build(policy).expect("snapshot");
         let dir = tempfile::tempdir().expect("tempdir");
         let audit_path = dir.path().join("audit.jsonl");
@@ -62,7 +63,12 @@ impl Sidecar {
         .await
         .expect("start sidecar");
         let base = format!("http://{}/v1", running.addr);
-        Sidecar { running, base, audit_path, _dir: dir }
+        Sidecar {
+            running,
+            base,
+            audit_path,
+            _dir: dir,
+        }
     }
 
     fn chat_url(&self) -> String {
@@ -79,11 +85,17 @@ impl Sidecar {
 
     /// Committed amount on a counter (zero when it does not exist).
     fn committed(&self, key: &CounterKey) -> Amount {
-        self.ledger().get(key).map(|c| c.committed()).unwrap_or_default()
+        self.ledger()
+            .get(key)
+            .map(|c| c.committed())
+            .unwrap_or_default()
     }
 
     fn reserved(&self, key: &CounterKey) -> Amount {
-        self.ledger().get(key).map(|c| c.reserved()).unwrap_or_default()
+        self.ledger()
+            .get(key)
+            .map(|c| c.reserved())
+            .unwrap_or_default()
     }
 
     fn audit_text(&self) -> String {
@@ -101,7 +113,11 @@ impl Sidecar {
                     }
                 }
             }
-            assert!(Instant::now() < deadline, "no audit record for {request_id}:\n{}", self.audit_text());
+            assert!(
+                Instant::now() < deadline,
+                "no audit record for {request_id}:\n{}",
+                self.audit_text()
+            );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
@@ -118,11 +134,17 @@ fn now_ms() -> i64 {
 }
 
 fn hdr<'a>(h: &'a HeaderMap, name: &str) -> &'a str {
-    h.get(name).and_then(|v| v.to_str().ok()).unwrap_or_else(|| panic!("missing header {name}: {h:?}"))
+    h.get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_else(|| panic!("missing header {name}: {h:?}"))
 }
 
 fn job_key(id: &str) -> CounterKey {
-    CounterKey { scope: Scope::Job, id: Arc::from(id), window: None }
+    CounterKey {
+        scope: Scope::Job,
+        id: Arc::from(id),
+        window: None,
+    }
 }
 
 /// A chat body with one user message.
@@ -136,7 +158,12 @@ fn chat(content: &str, max_tokens: Option<u64>) -> Value {
 
 /// A chat body whose estimate (by the sidecar's own estimator) is exactly `target` tokens, so
 /// a scenario's `input_tokens` is reproduced over HTTP.
-fn chat_with_input_tokens(target: u64, max_tokens: Option<u64>, n: Option<u32>, tok: Tokenizer) -> Value {
+fn chat_with_input_tokens(
+    target: u64,
+    max_tokens: Option<u64>,
+    n: Option<u32>,
+    tok: Tokenizer,
+) -> Value {
     let mut words: i64 = target as i64 - 7;
     for _ in 0..50 {
         let content = vec!["hello"; words.max(1) as usize].join(" ");
@@ -144,7 +171,9 @@ fn chat_with_input_tokens(target: u64, max_tokens: Option<u64>, n: Option<u32>, 
         if let Some(n) = n {
             body["n"] = j!(n);
         }
-        let e = estimate::estimate(Endpoint::Chat, &body, tok).expect("estimate").input_tokens;
+        let e = estimate::estimate(Endpoint::Chat, &body, tok)
+            .expect("estimate")
+            .input_tokens;
         if e == target {
             return body;
         }
@@ -154,24 +183,45 @@ fn chat_with_input_tokens(target: u64, max_tokens: Option<u64>, n: Option<u32>, 
 }
 
 /// POST arbitrary bytes (invalid JSON, huge bodies).
-async fn post_raw(url: &str, body: Bytes, headers: &[(&str, &str)]) -> Result<(u16, HeaderMap, Bytes), String> {
-    let mut b = Request::builder().method(Method::POST).uri(url).header("content-type", "application/json");
+async fn post_raw(
+    url: &str,
+    body: Bytes,
+    headers: &[(&str, &str)],
+) -> Result<(u16, HeaderMap, Bytes), String> {
+    let mut b = Request::builder()
+        .method(Method::POST)
+        .uri(url)
+        .header("content-type", "application/json");
     for (n, v) in headers {
         b = b.header(*n, *v);
     }
     let req = b.body(Full::new(body)).unwrap();
     let fut = async {
-        let resp = common::client().request(req).await.map_err(|e| format!("request error: {e:?}"))?;
+        let resp = common::client()
+            .request(req)
+            .await
+            .map_err(|e| format!("request error: {e:?}"))?;
         let (parts, body) = resp.into_parts();
-        let bytes = body.collect().await.map_err(|e| format!("body error: {e:?}"))?.to_bytes();
+        let bytes = body
+            .collect()
+            .await
+            .map_err(|e| format!("body error: {e:?}"))?
+            .to_bytes();
         Ok((parts.status.as_u16(), parts.headers, bytes))
     };
-    tokio::time::timeout(Duration::from_secs(30), fut).await.map_err(|_| "timed out".to_string())?
+    tokio::time::timeout(Duration::from_secs(30), fut)
+        .await
+        .map_err(|_| "timed out".to_string())?
 }
 
 /// The headers every governed response carries (SPEC §3).
 fn assert_stamped(h: &HeaderMap, version: &str) {
-    for n in ["x-tollgate-request-id", "x-tollgate-action", "x-tollgate-reason", "x-tollgate-backend"] {
+    for n in [
+        "x-tollgate-request-id",
+        "x-tollgate-action",
+        "x-tollgate-reason",
+        "x-tollgate-backend",
+    ] {
         assert!(h.contains_key(n), "missing {n}: {h:?}");
     }
     assert_eq!(hdr(h, "x-tollgate-policy-version"), version);
@@ -181,10 +231,16 @@ fn assert_stamped(h: &HeaderMap, version: &str) {
 /// with the eight fields and the request id.
 fn assert_error_shape(v: &Value) {
     let e = &v["error"];
-    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "error.message: {v}");
+    assert!(
+        e["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "error.message: {v}"
+    );
     assert!(e["type"].is_string(), "error.type: {v}");
     assert!(e["code"].is_string(), "error.code: {v}");
-    assert!(e.get("param").is_some(), "error.param present (maybe null): {v}");
+    assert!(
+        e.get("param").is_some(),
+        "error.param present (maybe null): {v}"
+    );
     let t = &v["tollgate"];
     for f in EIGHT {
         assert!(t[f].is_string(), "tollgate.{f}: {v}");
@@ -233,10 +289,16 @@ struct Replayed {
 ///   `x-tollgate-reason`, the `tollgate` object of a refusal, `Retry-After`, which mocks were
 ///   hit, circuit states after — and the eight fields in the audit record of the request.
 async fn replay(name: &str) -> Replayed {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/scenarios/shared").join(name);
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/scenarios/shared")
+        .join(name);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let sc: ScenarioFile = serde_norway::from_str(&text).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let scen_now = sc.now.parse::<jiff::Timestamp>().expect("now").as_millisecond();
+    let scen_now = sc
+        .now
+        .parse::<jiff::Timestamp>()
+        .expect("now")
+        .as_millisecond();
 
     // Mocks, one per backend, scripted from `upstream:`.
     let mut policy_v = sc.policy.clone();
@@ -246,7 +308,11 @@ async fn replay(name: &str) -> Replayed {
         .and_then(|b| b.as_sequence_mut())
         .expect("inline policy with backends");
     for b in backends.iter_mut() {
-        let id = b.get("id").and_then(|v| v.as_str()).expect("backend id").to_string();
+        let id = b
+            .get("id")
+            .and_then(|v| v.as_str())
+            .expect("backend id")
+            .to_string();
         let script: Vec<Answer> = sc
             .upstream
             .get(&id)
@@ -254,7 +320,10 @@ async fn replay(name: &str) -> Replayed {
                 answers
                     .iter()
                     .map(|a| {
-                        assert!(a.error.is_none(), "{name}: transport errors are not replayed here");
+                        assert!(
+                            a.error.is_none(),
+                            "{name}: transport errors are not replayed here"
+                        );
                         let status = a.status.unwrap_or(200);
                         let mut ans = if (200..300).contains(&status) {
                             match a.usage {
@@ -292,7 +361,10 @@ async fn replay(name: &str) -> Replayed {
     let now = now_ms();
     let req = &sc.request;
     let job = req.job.clone().expect("scenario request has a job");
-    assert!(sc.state.reserved.is_empty(), "{name}: reserved seeds are not replayed here");
+    assert!(
+        sc.state.reserved.is_empty(),
+        "{name}: reserved seeds are not replayed here"
+    );
     for s in &sc.state.usage {
         assert!(s.at.is_none(), "{name}: `at` seeds are not replayed here");
         let id: Arc<str> = match (s.scope, &s.id) {
@@ -302,14 +374,24 @@ async fn replay(name: &str) -> Replayed {
         };
         let window = s.window.map(|w| window_at(tz, w, now));
         let expires = window.map_or(i64::MAX, |k| window_end(tz, k));
-        gov.ledger.counter(&CounterKey { scope: s.scope, id, window }, expires).add_committed(&Amount {
-            tokens: s.tokens,
-            requests: s.requests,
-            usd: usd_to_micros(s.usd),
-        });
+        gov.ledger
+            .counter(
+                &CounterKey {
+                    scope: s.scope,
+                    id,
+                    window,
+                },
+                expires,
+            )
+            .add_committed(&Amount {
+                tokens: s.tokens,
+                requests: s.requests,
+                usd: usd_to_micros(s.usd),
+            });
     }
     for js in &sc.state.jobs {
-        gov.ledger.set_job(Arc::from(js.id.as_str()), js.attempts, js.fallbacks, now);
+        gov.ledger
+            .set_job(Arc::from(js.id.as_str()), js.attempts, js.fallbacks, now);
     }
     for c in &sc.state.circuits {
         let state = match c.state.as_str() {
@@ -324,7 +406,12 @@ async fn replay(name: &str) -> Replayed {
             .map(|t| t.parse::<jiff::Timestamp>().unwrap().as_millisecond() - scen_now)
             .unwrap_or(0);
         let opened_at = now + offset;
-        let recovery = policy.backend(&c.backend).unwrap().circuit.recovery_timeout.as_millis() as i64;
+        let recovery = policy
+            .backend(&c.backend)
+            .unwrap()
+            .circuit
+            .recovery_timeout
+            .as_millis() as i64;
         gov.circuit(&Arc::from(c.backend.as_str())).restore(
             state,
             c.consecutive_failures,
@@ -335,9 +422,17 @@ async fn replay(name: &str) -> Replayed {
     }
 
     // The request.
-    assert!(req.body.is_none() && !req.stream, "{name}: only line-form requests are replayed");
+    assert!(
+        req.body.is_none() && !req.stream,
+        "{name}: only line-form requests are replayed"
+    );
     let input_tokens = req.input_tokens.expect("input_tokens");
-    let mut body = chat_with_input_tokens(input_tokens, req.max_output_tokens, req.n, policy.estimate.tokenizer);
+    let mut body = chat_with_input_tokens(
+        input_tokens,
+        req.max_output_tokens,
+        req.n,
+        policy.estimate.tokenizer,
+    );
     body["model"] = j!(req.model.clone().expect("model"));
     let consumer = req.consumer.clone().unwrap_or_else(|| "default".into());
     let request_id = format!("replay-{}", &name[..2]);
@@ -353,7 +448,10 @@ async fn replay(name: &str) -> Replayed {
     )
     .await;
     let elapsed = t0.elapsed();
-    let ctx = format!("{name}: {status} {headers:?} {}", String::from_utf8_lossy(&rbody));
+    let ctx = format!(
+        "{name}: {status} {headers:?} {}",
+        String::from_utf8_lossy(&rbody)
+    );
     let e = &sc.expect;
 
     // The HTTP response.
@@ -363,13 +461,25 @@ async fn replay(name: &str) -> Replayed {
         assert_eq!(status, s, "http_status: {ctx}");
     }
     if let Some(a) = &e.final_action {
-        assert_eq!(hdr(&headers, "x-tollgate-action"), a, "x-tollgate-action: {ctx}");
+        assert_eq!(
+            hdr(&headers, "x-tollgate-action"),
+            a,
+            "x-tollgate-action: {ctx}"
+        );
     }
     if let Some(r) = &e.reason_class {
-        assert_eq!(hdr(&headers, "x-tollgate-reason"), r, "x-tollgate-reason: {ctx}");
+        assert_eq!(
+            hdr(&headers, "x-tollgate-reason"),
+            r,
+            "x-tollgate-reason: {ctx}"
+        );
     }
     match e.retry_after {
-        Some(ra) => assert_eq!(hdr(&headers, "retry-after"), ra.to_string(), "Retry-After: {ctx}"),
+        Some(ra) => assert_eq!(
+            hdr(&headers, "retry-after"),
+            ra.to_string(),
+            "Retry-After: {ctx}"
+        ),
         None if status == 200 => assert!(!headers.contains_key("retry-after"), "{ctx}"),
         None => {}
     }
@@ -387,7 +497,10 @@ async fn replay(name: &str) -> Replayed {
     if status == 200 {
         let v = json(&rbody);
         assert_eq!(v["object"], "chat.completion", "{ctx}");
-        assert!(v.get("tollgate").is_none(), "an upstream answer carries no tollgate object: {ctx}");
+        assert!(
+            v.get("tollgate").is_none(),
+            "an upstream answer carries no tollgate object: {ctx}"
+        );
     } else {
         // A refusal the sidecar made itself: OpenAI error body + the tollgate object.
         let v = json(&rbody);
@@ -429,8 +542,22 @@ async fn replay(name: &str) -> Replayed {
         }
     }
     // Nothing stays reserved once the request is answered.
-    assert_eq!(gov.ledger.reserved_tokens(), 0, "{name}: reserved after the request");
-    Replayed { sidecar, mocks, status, headers, body: rbody, audit, elapsed, input_tokens, job }
+    assert_eq!(
+        gov.ledger.reserved_tokens(),
+        0,
+        "{name}: reserved after the request"
+    );
+    Replayed {
+        sidecar,
+        mocks,
+        status,
+        headers,
+        body: rbody,
+        audit,
+        elapsed,
+        input_tokens,
+        job,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -440,7 +567,16 @@ async fn scenario_01_baseline_allowed() {
     assert_eq!(hdr(&r.headers, "x-tollgate-backend"), "primary");
     // The provider's usage (480 + 320) is what is committed, on the job and the consumer's day.
     assert_eq!(r.sidecar.committed(&job_key(&r.job)).tokens, 800);
-    let tz = r.sidecar.running.app.snap.load().policy.windows.timezone.clone();
+    let tz = r
+        .sidecar
+        .running
+        .app
+        .snap
+        .load()
+        .policy
+        .windows
+        .timezone
+        .clone();
     let day = CounterKey {
         scope: Scope::Consumer,
         id: Arc::from("alice"),
@@ -456,7 +592,11 @@ async fn scenario_01_baseline_allowed() {
     let sent = r.mocks["primary"].last_request().unwrap();
     assert_eq!(sent.model(), Some("small"));
     assert_eq!(sent.json.as_ref().unwrap()["max_tokens"], 500);
-    assert_eq!(json(&r.body)["usage"]["total_tokens"], 800, "the upstream body reaches the client unchanged");
+    assert_eq!(
+        json(&r.body)["usage"]["total_tokens"],
+        800,
+        "the upstream body reaches the client unchanged"
+    );
     r.sidecar.stop().await;
 }
 
@@ -468,12 +608,22 @@ async fn scenario_02_quota_exhausted_circuit_healthy() {
     assert_eq!(v["error"]["code"], "quota_blocked");
     // The same consumer retrying does not get around it.
     let again = chat_with_input_tokens(500, Some(500), None, r.sidecar.tokenizer());
-    let (s, h, _) = post_json(&r.sidecar.chat_url(), &again, &[("x-tollgate-consumer", "alice"), ("x-tollgate-job", "J2b")]).await;
+    let (s, h, _) = post_json(
+        &r.sidecar.chat_url(),
+        &again,
+        &[("x-tollgate-consumer", "alice"), ("x-tollgate-job", "J2b")],
+    )
+    .await;
     assert_eq!(s, 403);
     assert_eq!(hdr(&h, "x-tollgate-reason"), "QUOTA_BLOCKED");
     assert_eq!(r.mocks["primary"].hits(), 0);
     // Another consumer is not blocked by alice's quota.
-    let (s, h, _) = post_json(&r.sidecar.chat_url(), &again, &[("x-tollgate-consumer", "bob")]).await;
+    let (s, h, _) = post_json(
+        &r.sidecar.chat_url(),
+        &again,
+        &[("x-tollgate-consumer", "bob")],
+    )
+    .await;
     assert_eq!(s, 200, "{h:?}");
     r.sidecar.stop().await;
 }
@@ -485,7 +635,11 @@ async fn scenario_03_retry_budget_exhausted_with_retry_after() {
     // must not wait it out — it DEFERs at once with the upstream's Retry-After. Waiting would
     // show up as ≥ 10 s of latency, which the elapsed-time bound below rules out.
     let r = replay("03-retry-budget-exhausted-with-retry-after.yaml").await;
-    assert!(r.elapsed < Duration::from_secs(5), "no in-request wait: took {:?}", r.elapsed);
+    assert!(
+        r.elapsed < Duration::from_secs(5),
+        "no in-request wait: took {:?}",
+        r.elapsed
+    );
     assert_eq!(r.audit["job_attempts"], 2);
     assert_eq!(r.mocks["primary"].hits(), 1);
     // The failed call consumed nothing: the job counter is back to its seed.
@@ -516,8 +670,15 @@ async fn scenario_05_actual_crosses_soft_budget() {
 async fn scenario_06_fallback_dearer_than_remaining_budget() {
     let r = replay("06-fallback-dearer-than-remaining-budget.yaml").await;
     assert_eq!(r.mocks["primary"].hits(), 1);
-    assert_eq!(r.mocks["fallback"].hits(), 0, "the fallback whose worst case does not fit is never called");
-    assert_eq!(r.sidecar.committed(&job_key("J6")).usd, usd_to_micros(0.024));
+    assert_eq!(
+        r.mocks["fallback"].hits(),
+        0,
+        "the fallback whose worst case does not fit is never called"
+    );
+    assert_eq!(
+        r.sidecar.committed(&job_key("J6")).usd,
+        usd_to_micros(0.024)
+    );
     assert_eq!(r.sidecar.reserved(&job_key("J6")), Amount::ZERO);
     let v = json(&r.body);
     assert_eq!(v["error"]["code"], "fallback_over_budget");
@@ -531,7 +692,10 @@ async fn scenario_07_worst_case_over_hard_budget() {
     assert_eq!(r.sidecar.committed(&job_key("J7")).tokens, 27000);
     let v = json(&r.body);
     assert_eq!(v["error"]["code"], "hard_budget_exceeded");
-    assert!(v["error"]["message"].as_str().unwrap().contains("per-job"), "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("per-job"),
+        "{v}"
+    );
     r.sidecar.stop().await;
 }
 
@@ -586,11 +750,21 @@ fn assert_bad(status: u16, h: &HeaderMap, b: &[u8], want_status: u16) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_is_a_clear_error_and_the_process_keeps_serving() {
     let up = MockUpstream::start(vec![]).await;
-    let sc = Sidecar::start(&one_backend_policy(&up.base_url(), "server: {max_body_bytes: 65536}")).await;
+    let sc = Sidecar::start(&one_backend_policy(
+        &up.base_url(),
+        "server: {max_body_bytes: 65536}",
+    ))
+    .await;
     let url = sc.chat_url();
 
     // Invalid JSON.
-    let (s, h, b) = post_raw(&url, Bytes::from_static(b"{\"model\": \"chat\", \"messages\": ["), &[]).await.unwrap();
+    let (s, h, b) = post_raw(
+        &url,
+        Bytes::from_static(b"{\"model\": \"chat\", \"messages\": ["),
+        &[],
+    )
+    .await
+    .unwrap();
     let v = assert_bad(s, &h, &b, 400);
     assert_eq!(v["error"]["type"], "invalid_request_error");
     assert_eq!(v["error"]["code"], "invalid_json");
@@ -598,7 +772,9 @@ async fn bad_input_is_a_clear_error_and_the_process_keeps_serving() {
     assert_eq!(hdr(&h, "x-tollgate-reason"), "BAD_REQUEST");
 
     // JSON, but not an object.
-    let (s, h, b) = post_raw(&url, Bytes::from_static(b"[1,2,3]"), &[]).await.unwrap();
+    let (s, h, b) = post_raw(&url, Bytes::from_static(b"[1,2,3]"), &[])
+        .await
+        .unwrap();
     assert_bad(s, &h, &b, 400);
 
     // Missing `messages`.
@@ -627,21 +803,34 @@ async fn bad_input_is_a_clear_error_and_the_process_keeps_serving() {
     let (s, h, b) = post_json(&url, &j!({"model": "chat", "messages": []}), &[]).await;
     let v = assert_bad(s, &h, &b, 400);
     assert_eq!(v["error"]["param"], "messages");
-    let (s, h, b) = post_json(&url, &j!({"model": "chat", "messages": [{"content": "no role"}]}), &[]).await;
+    let (s, h, b) = post_json(
+        &url,
+        &j!({"model": "chat", "messages": [{"content": "no role"}]}),
+        &[],
+    )
+    .await;
     let v = assert_bad(s, &h, &b, 400);
     assert_eq!(v["error"]["param"], "messages.[0].role");
     let (s, h, b) = post_json(&url, &j!({"model": "chat", "messages": "hi"}), &[]).await;
     let v = assert_bad(s, &h, &b, 400);
     assert_eq!(v["error"]["param"], "messages");
-    let (s, h, b) = post_json(&url, &j!({"model": 7, "messages": [{"role": "user", "content": "hi"}]}), &[]).await;
+    let (s, h, b) = post_json(
+        &url,
+        &j!({"model": 7, "messages": [{"role": "user", "content": "hi"}]}),
+        &[],
+    )
+    .await;
     let v = assert_bad(s, &h, &b, 400);
     assert_eq!(v["error"]["param"], "model");
 
     // A body over `server.max_body_bytes` (64 KiB here; the 10 MB case against the default
     // 4 MiB limit has its own test below): 413, with a Content-Length ...
-    let over = j!({"model": "chat", "messages": [{"role": "user", "content": "x".repeat(80 * 1024)}]});
+    let over =
+        j!({"model": "chat", "messages": [{"role": "user", "content": "x".repeat(80 * 1024)}]});
     let over = Bytes::from(serde_json::to_vec(&over).unwrap());
-    let (s, h, b) = post_raw(&url, over.clone(), &[]).await.expect("a 413 answer");
+    let (s, h, b) = post_raw(&url, over.clone(), &[])
+        .await
+        .expect("a 413 answer");
     let v = assert_bad(s, &h, &b, 413);
     assert_eq!(v["error"]["code"], "request_too_large");
     assert_eq!(v["error"]["type"], "invalid_request_error");
@@ -654,14 +843,24 @@ async fn bad_input_is_a_clear_error_and_the_process_keeps_serving() {
     assert_eq!(s, 200, "{h:?} {}", String::from_utf8_lossy(&b));
 
     // An unknown model.
-    let (s, h, b) = post_json(&url, &j!({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}), &[]).await;
+    let (s, h, b) = post_json(
+        &url,
+        &j!({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}),
+        &[],
+    )
+    .await;
     let v = assert_bad(s, &h, &b, 404);
     assert_eq!(v["error"]["code"], "model_not_found");
     assert_eq!(v["error"]["param"], "model");
     assert!(v["error"]["message"].as_str().unwrap().contains("gpt-9"));
 
     // An unusable identity header.
-    let (s, h, b) = post_json(&url, &chat("hi", Some(5)), &[("x-tollgate-consumer", "has spaces!")]).await;
+    let (s, h, b) = post_json(
+        &url,
+        &chat("hi", Some(5)),
+        &[("x-tollgate-consumer", "has spaces!")],
+    )
+    .await;
     assert_bad(s, &h, &b, 400);
 
     // An unknown path, and a wrong method, on the data port.
@@ -670,7 +869,12 @@ async fn bad_input_is_a_clear_error_and_the_process_keeps_serving() {
     assert_eq!(s, 404, "{h:?}");
     assert_eq!(v["error"]["code"], "unknown_url");
     assert_eq!(v["error"]["type"], "invalid_request_error");
-    let (s, _, b) = post_json(&format!("http://{}/v2/chat/completions", sc.running.addr), &chat("hi", None), &[]).await;
+    let (s, _, b) = post_json(
+        &format!("http://{}/v2/chat/completions", sc.running.addr),
+        &chat("hi", None),
+        &[],
+    )
+    .await;
     assert_eq!(s, 404);
     assert!(json(&b)["error"]["message"].is_string());
     let (s, _, _) = get(&url).await;
@@ -682,9 +886,18 @@ async fn bad_input_is_a_clear_error_and_the_process_keeps_serving() {
     assert_eq!(hdr(&h, "content-type"), "application/json");
     let v = json(&b);
     assert_eq!(v["object"], "list");
-    let ids: Vec<&str> = v["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
+    let ids: Vec<&str> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
     assert_eq!(ids, ["chat", "embed"]);
-    assert!(v["data"].as_array().unwrap().iter().all(|m| m["object"] == "model"));
+    assert!(v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|m| m["object"] == "model"));
 
     // No bad request reached the upstream, and the sidecar still serves.
     assert_eq!(up.hits(), 1, "only the under-the-limit request");
@@ -715,15 +928,28 @@ quotas:
     let url = sc.chat_url();
 
     // Wrong bearer.
-    let (s, h, b) = post_json(&url, &chat("hi", Some(5)), &[("authorization", "Bearer vk-web-wrong")]).await;
+    let (s, h, b) = post_json(
+        &url,
+        &chat("hi", Some(5)),
+        &[("authorization", "Bearer vk-web-wrong")],
+    )
+    .await;
     let v = assert_bad(s, &h, &b, 401);
     assert_eq!(v["error"]["type"], "authentication_error");
     assert_eq!(v["tollgate"]["reason_class"], "UNAUTHENTICATED");
     assert_eq!(hdr(&h, "x-tollgate-reason"), "UNAUTHENTICATED");
-    assert!(!String::from_utf8_lossy(&b).contains(KEY), "the real key is never echoed");
+    assert!(
+        !String::from_utf8_lossy(&b).contains(KEY),
+        "the real key is never echoed"
+    );
     // A key that is a prefix of the real one is not it either.
     let prefix = format!("Bearer {}", &KEY[..10]);
-    let (s, _, _) = post_json(&url, &chat("hi", Some(5)), &[("authorization", prefix.as_str())]).await;
+    let (s, _, _) = post_json(
+        &url,
+        &chat("hi", Some(5)),
+        &[("authorization", prefix.as_str())],
+    )
+    .await;
     assert_eq!(s, 401);
     assert_eq!(up.hits(), 0);
 
@@ -732,7 +958,11 @@ quotas:
     let (s, h, b) = post_json(
         &url,
         &chat("hi", Some(5)),
-        &[("authorization", bearer.as_str()), ("x-tollgate-consumer", "mallory"), ("x-request-id", "vk-ok")],
+        &[
+            ("authorization", bearer.as_str()),
+            ("x-tollgate-consumer", "mallory"),
+            ("x-request-id", "vk-ok"),
+        ],
     )
     .await;
     assert_eq!(s, 200, "{h:?} {}", String::from_utf8_lossy(&b));
@@ -748,8 +978,15 @@ quotas:
     assert_eq!(sc.committed(&day("mallory")).tokens, 0);
     // The virtual key is ours, not the upstream's: it is not forwarded.
     let sent = up.last_request().unwrap();
-    assert!(sent.headers.get("authorization").is_none(), "{:?}", sent.headers);
-    assert!(!sc.audit_text().contains(KEY), "no secret in the audit trail");
+    assert!(
+        sent.headers.get("authorization").is_none(),
+        "{:?}",
+        sent.headers
+    );
+    assert!(
+        !sc.audit_text().contains(KEY),
+        "no secret in the audit trail"
+    );
     sc.stop().await;
 }
 
@@ -787,7 +1024,10 @@ async fn raw_chunked_post(addr: std::net::SocketAddr, path: &str, body: &[u8]) -
             .and_then(|c| c.parse().ok())
             .unwrap_or_else(|| panic!("no HTTP response (write error: {write_err:?}): {text:?}"));
         let (headers, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-        let body = if headers.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        let body = if headers
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked")
+        {
             let mut b = Vec::new();
             let mut r = rest;
             while let Some((len, tail)) = r.split_once("\r\n") {
@@ -804,7 +1044,9 @@ async fn raw_chunked_post(addr: std::net::SocketAddr, path: &str, body: &[u8]) -
         };
         (status, body)
     };
-    tokio::time::timeout(Duration::from_secs(20), fut).await.expect("raw POST timed out")
+    tokio::time::timeout(Duration::from_secs(20), fut)
+        .await
+        .expect("raw POST timed out")
 }
 
 /// A 10 MB body against the default 4 MiB limit must get the OpenAI-style 413, and a client
@@ -872,13 +1114,20 @@ async fn ten_megabyte_body_gets_a_413_not_a_reset() {
     // The process keeps serving either way.
     let (s, _, _) = post_json(&sc.chat_url(), &chat("after the big one", Some(5)), &[]).await;
     assert_eq!(s, 200);
-    assert_eq!(up.hits(), 1, "the oversized request never reached the upstream");
+    assert_eq!(
+        up.hits(),
+        1,
+        "the oversized request never reached the upstream"
+    );
 
     assert!(
         status_line.starts_with("HTTP/1.1 413"),
         "no 413 for a 10 MB body; got {status_line:?} (read: {read_result}; write error: {write_err:?})"
     );
-    assert!(text.contains("request_too_large"), "OpenAI-style 413 body: {text}");
+    assert!(
+        text.contains("request_too_large"),
+        "OpenAI-style 413 body: {text}"
+    );
     assert!(
         write_err.is_none(),
         "the sidecar reset the connection while the client was still sending its body: {} after \
@@ -940,16 +1189,28 @@ routes:
     assert_eq!(sent.path, "/v1/chat/completions");
     let sj = sent.json.clone().expect("JSON upstream body");
     assert_eq!(sj["model"], "llama3.1:8b", "the chain entry's model");
-    assert_eq!(sj["max_tokens"], 77, "the policy default when the client set none");
+    assert_eq!(
+        sj["max_tokens"], 77,
+        "the policy default when the client set none"
+    );
     assert_eq!(sj["messages"], body["messages"], "the prompt is untouched");
     assert_eq!(sj["temperature"], 0.25);
-    assert_eq!(sent.header("authorization"), Some(format!("Bearer {KEY}").as_str()));
+    assert_eq!(
+        sent.header("authorization"),
+        Some(format!("Bearer {KEY}").as_str())
+    );
     assert_eq!(sent.headers.get_all("authorization").iter().count(), 1);
     assert_eq!(sent.header("content-type"), Some("application/json"));
     for (n, v) in &sent.headers {
         let v = String::from_utf8_lossy(v.as_bytes());
-        assert!(!v.contains(CLIENT_KEY), "the client's credential went upstream in {n}");
-        assert!(!n.as_str().starts_with("x-tollgate-"), "our own header {n} went upstream");
+        assert!(
+            !v.contains(CLIENT_KEY),
+            "the client's credential went upstream in {n}"
+        );
+        assert!(
+            !n.as_str().starts_with("x-tollgate-"),
+            "our own header {n} went upstream"
+        );
     }
     // The response reaches the client with the served model as the upstream said it.
     assert_eq!(json(&b)["model"], "llama3.1:8b");
@@ -957,7 +1218,10 @@ routes:
     assert_eq!(a["upstream_max_tokens"], 77);
     assert_eq!(a["upstream_model"], "llama3.1:8b");
     let audit = sc.audit_text();
-    assert!(!audit.contains(KEY) && !audit.contains(CLIENT_KEY), "no key in the audit trail");
+    assert!(
+        !audit.contains(KEY) && !audit.contains(CLIENT_KEY),
+        "no key in the audit trail"
+    );
 
     // The client's own cap is kept (and its spelling).
     let mut b2 = body.clone();
@@ -1010,11 +1274,20 @@ async fn non_retryable_upstream_400_passes_through_unchanged() {
     let b = MockUpstream::start(vec![]).await;
     let sc = Sidecar::start(&two_backend_policy(&a.base_url(), &b.base_url())).await;
 
-    let (s, h, body) = post_json(&sc.chat_url(), &chat("hi", Some(10)), &[("x-request-id", "pt-1")]).await;
+    let (s, h, body) = post_json(
+        &sc.chat_url(),
+        &chat("hi", Some(10)),
+        &[("x-request-id", "pt-1")],
+    )
+    .await;
     assert_eq!(s, 400);
     assert_eq!(&body[..], err400.as_bytes(), "same bytes");
     assert_eq!(hdr(&h, "content-type"), "application/json");
-    assert_eq!(hdr(&h, "x-upstream-trace"), "t-400", "upstream headers pass through");
+    assert_eq!(
+        hdr(&h, "x-upstream-trace"),
+        "t-400",
+        "upstream headers pass through"
+    );
     assert_stamped(&h, "t-1");
     assert_eq!(hdr(&h, "x-tollgate-backend"), "primary");
     assert_eq!(hdr(&h, "x-tollgate-reason"), "UPSTREAM_FAILURE");
@@ -1046,17 +1319,37 @@ async fn non_retryable_upstream_400_passes_through_unchanged() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn usage_reconciliation_actual_and_estimated() {
     const REPLY: &str = "The quick brown fox jumps over the lazy dog, twice and then once more.";
-    let up = MockUpstream::start(vec![Answer::ok_chat("counted by the provider", 123, 45), Answer::ok_chat_no_usage(REPLY)]).await;
+    let up = MockUpstream::start(vec![
+        Answer::ok_chat("counted by the provider", 123, 45),
+        Answer::ok_chat_no_usage(REPLY),
+    ])
+    .await;
     let extra = "budgets:\n  - {name: per-job, scope: job, hard_tokens: 100000}\n";
     let sc = Sidecar::start(&one_backend_policy(&up.base_url(), extra)).await;
     let tok = sc.tokenizer();
 
     // ACTUAL: the provider's usage is committed, the rest of the worst case released.
     let body = chat("Tell me a story about a fox.", Some(400));
-    let (s, h, b) = post_json(&sc.chat_url(), &body, &[("x-tollgate-job", "R1"), ("x-request-id", "rec-1")]).await;
+    let (s, h, b) = post_json(
+        &sc.chat_url(),
+        &body,
+        &[("x-tollgate-job", "R1"), ("x-request-id", "rec-1")],
+    )
+    .await;
     assert_eq!(s, 200, "{h:?}");
-    assert_eq!(json(&b)["usage"]["total_tokens"], 168, "the body reaches the client unchanged");
-    assert_eq!(sc.committed(&job_key("R1")), Amount { tokens: 168, requests: 1, usd: 0 });
+    assert_eq!(
+        json(&b)["usage"]["total_tokens"],
+        168,
+        "the body reaches the client unchanged"
+    );
+    assert_eq!(
+        sc.committed(&job_key("R1")),
+        Amount {
+            tokens: 168,
+            requests: 1,
+            usd: 0
+        }
+    );
     assert_eq!(sc.reserved(&job_key("R1")), Amount::ZERO);
     let a = sc.audit("rec-1").await;
     assert_eq!(a["usage_evidence_state"], "ACTUAL");
@@ -1064,13 +1357,30 @@ async fn usage_reconciliation_actual_and_estimated() {
     assert_eq!(a["actual_output_tokens"], 45);
 
     // ESTIMATED: no usage in the answer → our prompt estimate + our count of the reply.
-    let est = estimate::estimate(Endpoint::Chat, &body, tok).unwrap().input_tokens;
+    let est = estimate::estimate(Endpoint::Chat, &body, tok)
+        .unwrap()
+        .input_tokens;
     let out = estimate::count_output_text(tok, REPLY);
     assert!(out > 0);
-    let (s, _, b) = post_json(&sc.chat_url(), &body, &[("x-tollgate-job", "R2"), ("x-request-id", "rec-2")]).await;
+    let (s, _, b) = post_json(
+        &sc.chat_url(),
+        &body,
+        &[("x-tollgate-job", "R2"), ("x-request-id", "rec-2")],
+    )
+    .await;
     assert_eq!(s, 200);
-    assert!(json(&b).get("usage").is_none(), "the sidecar does not invent a usage object");
-    assert_eq!(sc.committed(&job_key("R2")), Amount { tokens: est + out, requests: 1, usd: 0 });
+    assert!(
+        json(&b).get("usage").is_none(),
+        "the sidecar does not invent a usage object"
+    );
+    assert_eq!(
+        sc.committed(&job_key("R2")),
+        Amount {
+            tokens: est + out,
+            requests: 1,
+            usd: 0
+        }
+    );
     assert_eq!(sc.reserved(&job_key("R2")), Amount::ZERO);
     let a = sc.audit("rec-2").await;
     assert_eq!(a["usage_evidence_state"], "ESTIMATED");

@@ -52,8 +52,15 @@ fn sdk_python(test: &str) -> Option<PathBuf> {
 
 /// Runs `tests/sdk/<script>` with the sidecar's base URL (and `extra` env), returns the JSON it
 /// printed. Panics on a timeout, a non-zero exit or output that is not one JSON object.
-async fn run_script(python: &PathBuf, script: &str, base_url: &str, extra: &[(&str, &str)]) -> Value {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests").join("sdk");
+async fn run_script(
+    python: &PathBuf,
+    script: &str,
+    base_url: &str,
+    extra: &[(&str, &str)],
+) -> Value {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests")
+        .join("sdk");
     let mut cmd = tokio::process::Command::new(python);
     cmd.arg(dir.join(script))
         .current_dir(&dir)
@@ -65,7 +72,16 @@ async fn run_script(python: &PathBuf, script: &str, base_url: &str, extra: &[(&s
         .env("NO_PROXY", "127.0.0.1,localhost")
         .env("no_proxy", "127.0.0.1,localhost")
         .kill_on_drop(true);
-    for k in ["HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy", "OPENAI_ORG_ID", "OPENAI_PROJECT_ID"] {
+    for k in [
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "all_proxy",
+        "OPENAI_ORG_ID",
+        "OPENAI_PROJECT_ID",
+    ] {
         cmd.env_remove(k);
     }
     for (k, v) in extra {
@@ -83,25 +99,40 @@ async fn run_script(python: &PathBuf, script: &str, base_url: &str, extra: &[(&s
         "{script} exited with {}\n--- stdout\n{stdout}\n--- stderr\n{stderr}",
         out.status
     );
-    let line = stdout.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
-    let v: Value = serde_json::from_str(line)
-        .unwrap_or_else(|e| panic!("{script} printed no JSON object ({e})\n--- stdout\n{stdout}\n--- stderr\n{stderr}"));
-    eprintln!("{script}: {:.2} s (openai {})", t0.elapsed().as_secs_f64(), v["sdk_version"]);
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("");
+    let v: Value = serde_json::from_str(line).unwrap_or_else(|e| {
+        panic!("{script} printed no JSON object ({e})\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
+    });
+    eprintln!(
+        "{script}: {:.2} s (openai {})",
+        t0.elapsed().as_secs_f64(),
+        v["sdk_version"]
+    );
     if std::env::var_os("TOLLGATE_SDK_DUMP").is_some() {
-        eprintln!("{script} saw: {}", serde_json::to_string_pretty(&v).unwrap());
+        eprintln!(
+            "{script} saw: {}",
+            serde_json::to_string_pretty(&v).unwrap()
+        );
     }
     v
 }
 
 /// Starts the sidecar on `yaml` (ports 0, no audit).
 async fn sidecar(yaml: &str) -> Running {
-    let policy = tollgate::policy::from_str(yaml, "sdk-test.yaml").unwrap_or_else(|e| panic!("policy: {e}"));
+    let policy =
+        tollgate::policy::from_str(yaml, "sdk-test.yaml").unwrap_or_else(|e| panic!("policy: {e}"));
     let snap = Snapshot::build(policy).expect("snapshot");
     let opts = Options {
         listen: Some("127.0.0.1:0".parse().unwrap()),
         admin_listen: Some("127.0.0.1:0".parse().unwrap()),
     };
-    proxy::start(snap, Audit::off(), opts).await.expect("sidecar starts")
+    proxy::start(snap, Audit::off(), opts)
+        .await
+        .expect("sidecar starts")
 }
 
 fn base_url(r: &Running) -> String {
@@ -117,13 +148,21 @@ fn seed(running: &Running, scope: Scope, id: &str, window: Window, tokens: u64) 
     let this = window_at(tz, window, now);
     let next = window_at(tz, window, window_end(tz, this));
     for w in [this, next] {
-        let key = CounterKey { scope, id: id.into(), window: Some(w) };
+        let key = CounterKey {
+            scope,
+            id: id.into(),
+            window: Some(w),
+        };
         running
             .app
             .governor
             .ledger
             .counter(&key, window_end(tz, w))
-            .add_committed(&Amount { tokens, requests: 0, usd: 0 });
+            .add_committed(&Amount {
+                tokens,
+                requests: 0,
+                usd: 0,
+            });
     }
 }
 
@@ -142,12 +181,16 @@ routes:
 }
 
 fn header<'a>(v: &'a Value, name: &str) -> &'a str {
-    v["headers"][name].as_str().unwrap_or_else(|| panic!("no {name} header in {}", v["headers"]))
+    v["headers"][name]
+        .as_str()
+        .unwrap_or_else(|| panic!("no {name} header in {}", v["headers"]))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sdk_chat_completion_round_trips() {
-    let Some(py) = sdk_python("sdk_chat_completion_round_trips") else { return };
+    let Some(py) = sdk_python("sdk_chat_completion_round_trips") else {
+        return;
+    };
     let up = MockUpstream::start(vec![Answer::ok_chat("Hello from the mock.", 21, 5)]).await;
     let running = sidecar(&policy(&up.base_url(), "")).await;
 
@@ -173,14 +216,24 @@ async fn sdk_chat_completion_round_trips() {
     let req = up.last_request().unwrap();
     assert_eq!(req.path, "/v1/chat/completions");
     assert_eq!(req.model(), Some("gpt-mock"));
-    assert_eq!(req.json.as_ref().unwrap()["max_tokens"], 50, "the client's cap goes upstream");
-    assert_ne!(req.header("authorization"), Some("Bearer sk-dummy"), "the client's key must not reach the upstream");
+    assert_eq!(
+        req.json.as_ref().unwrap()["max_tokens"],
+        50,
+        "the client's cap goes upstream"
+    );
+    assert_ne!(
+        req.header("authorization"),
+        Some("Bearer sk-dummy"),
+        "the client's key must not reach the upstream"
+    );
     running.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sdk_embedding_round_trips() {
-    let Some(py) = sdk_python("sdk_embedding_round_trips") else { return };
+    let Some(py) = sdk_python("sdk_embedding_round_trips") else {
+        return;
+    };
     let up = MockUpstream::start_with_default(vec![], Answer::ok_embedding(8, 2)).await;
     let running = sidecar(&policy(&up.base_url(), "")).await;
 
@@ -192,8 +245,15 @@ async fn sdk_embedding_round_trips() {
     assert_eq!(v["indices"], serde_json::json!([0, 1]));
     // The mock's vectors: element j of vector i is ((i + j) % 17 - 8) / 16.
     for i in 0..2usize {
-        let want: Vec<f64> = (0..8usize).map(|j| (((i + j) % 17) as f64 - 8.0) / 16.0).collect();
-        let got: Vec<f64> = v["embeddings"][i].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+        let want: Vec<f64> = (0..8usize)
+            .map(|j| (((i + j) % 17) as f64 - 8.0) / 16.0)
+            .collect();
+        let got: Vec<f64> = v["embeddings"][i]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
         assert_eq!(got, want, "embedding {i}");
     }
     assert_eq!(v["usage"]["prompt_tokens"], 2);
@@ -205,13 +265,18 @@ async fn sdk_embedding_round_trips() {
     let req = up.last_request().unwrap();
     assert_eq!(req.path, "/v1/embeddings");
     assert_eq!(req.model(), Some("embed-mock"));
-    assert_eq!(req.json.as_ref().unwrap()["input"], serde_json::json!(["a", "b"]));
+    assert_eq!(
+        req.json.as_ref().unwrap()["input"],
+        serde_json::json!(["a", "b"])
+    );
     running.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sdk_quota_stop_is_permission_denied_with_reason() {
-    let Some(py) = sdk_python("sdk_quota_stop_is_permission_denied_with_reason") else { return };
+    let Some(py) = sdk_python("sdk_quota_stop_is_permission_denied_with_reason") else {
+        return;
+    };
     let up = MockUpstream::start(vec![]).await;
     let extra = r#"quotas:
   - {name: consumer-daily, scope: consumer, match: "*", window: day, limit_tokens: 1000}
@@ -226,7 +291,10 @@ async fn sdk_quota_stop_is_permission_denied_with_reason() {
     assert_eq!(a["status"], 403);
     // The SDK keeps only the `error` object in `e.body`: the decision is inside it as well as
     // beside it (SPEC §3), so `e.body["tollgate"]` works.
-    assert_eq!(a["body"]["tollgate"], a["response_json"]["tollgate"], "alice: {a}");
+    assert_eq!(
+        a["body"]["tollgate"], a["response_json"]["tollgate"],
+        "alice: {a}"
+    );
     let t = &a["body"]["tollgate"];
     assert_eq!(t["reason_class"], "QUOTA_BLOCKED", "alice: {a}");
     assert_eq!(t["final_action"], "HARD_STOP");
@@ -234,11 +302,21 @@ async fn sdk_quota_stop_is_permission_denied_with_reason() {
     assert_eq!(t["circuit_state"], "CLOSED");
     assert_eq!(t["usage_evidence_state"], "NONE");
     assert!(t["request_id"].as_str().is_some_and(|s| !s.is_empty()));
-    assert_eq!(a["body"]["type"], "insufficient_quota", "the OpenAI error object: {}", a["body"]);
-    assert!(a["body"]["message"].as_str().is_some_and(|m| m.contains("quota")));
+    assert_eq!(
+        a["body"]["type"], "insufficient_quota",
+        "the OpenAI error object: {}",
+        a["body"]
+    );
+    assert!(a["body"]["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("quota")));
     assert_eq!(header(a, "x-tollgate-action"), "HARD_STOP");
     assert_eq!(header(a, "x-tollgate-reason"), "QUOTA_BLOCKED");
-    assert!(a["headers"].get("retry-after").is_none(), "a quota stop is not a DEFER: {}", a["headers"]);
+    assert!(
+        a["headers"].get("retry-after").is_none(),
+        "a quota stop is not a DEFER: {}",
+        a["headers"]
+    );
 
     // Another consumer is not affected, and only its call reached the upstream.
     assert_eq!(v["bob"]["raised"], Value::Null, "bob: {}", v["bob"]);
@@ -249,7 +327,9 @@ async fn sdk_quota_stop_is_permission_denied_with_reason() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sdk_defer_is_rate_limit_error_with_retry_after() {
-    let Some(py) = sdk_python("sdk_defer_is_rate_limit_error_with_retry_after") else { return };
+    let Some(py) = sdk_python("sdk_defer_is_rate_limit_error_with_retry_after") else {
+        return;
+    };
     // Only bob's request reaches the upstream, which throttles it for longer than the sidecar
     // waits in-request (retry.max_retry_after defaults to 10 s).
     let up = MockUpstream::start(vec![Answer::status(429).header("retry-after", "120")]).await;
@@ -267,8 +347,14 @@ async fn sdk_defer_is_rate_limit_error_with_retry_after() {
     assert_eq!(a["raised"], "RateLimitError", "rate_limited: {a}");
     assert_eq!(a["is_rate_limit_error"], true);
     assert_eq!(a["status"], 429);
-    let ra: u64 = a["retry_after"].as_str().and_then(|s| s.parse().ok()).unwrap_or_else(|| panic!("retry-after: {a}"));
-    assert!((1..=60).contains(&ra), "Retry-After {ra} s: until the minute window turns");
+    let ra: u64 = a["retry_after"]
+        .as_str()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("retry-after: {a}"));
+    assert!(
+        (1..=60).contains(&ra),
+        "Retry-After {ra} s: until the minute window turns"
+    );
     let t = &a["response_json"]["tollgate"];
     assert_eq!(t["reason_class"], "RATE_LIMITED", "{a}");
     assert_eq!(t["final_action"], "DEFER");
@@ -280,24 +366,40 @@ async fn sdk_defer_is_rate_limit_error_with_retry_after() {
     let b = &v["upstream_429"];
     assert_eq!(b["raised"], "RateLimitError", "upstream_429: {b}");
     assert_eq!(b["status"], 429);
-    assert_eq!(b["retry_after"], "120", "the upstream's Retry-After is carried: {b}");
+    assert_eq!(
+        b["retry_after"], "120",
+        "the upstream's Retry-After is carried: {b}"
+    );
     let t = &b["response_json"]["tollgate"];
     assert_eq!(t["final_action"], "DEFER", "{b}");
     assert_eq!(t["reason_class"], "UPSTREAM_FAILURE");
     assert_eq!(header(b, "x-tollgate-action"), "DEFER");
     // Generous for a loaded machine; waiting out the 120 s would blow far past it.
-    assert!(b["elapsed_s"].as_f64().unwrap() < 30.0, "a 120 s Retry-After is not waited out: {b}");
+    assert!(
+        b["elapsed_s"].as_f64().unwrap() < 30.0,
+        "a 120 s Retry-After is not waited out: {b}"
+    );
 
-    assert_eq!(up.hits(), 1, "alice never reached the upstream; bob's 429 was not retried");
+    assert_eq!(
+        up.hits(),
+        1,
+        "alice never reached the upstream; bob's 429 was not retried"
+    );
     running.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sdk_streaming_matches_direct() {
-    let Some(py) = sdk_python("sdk_streaming_matches_direct") else { return };
+    let Some(py) = sdk_python("sdk_streaming_matches_direct") else {
+        return;
+    };
     let up = MockUpstream::start_with_default(
         vec![],
-        Answer::sse_chat(&["Hel", "lo", " world"], Some((8, 3)), Duration::from_millis(50)),
+        Answer::sse_chat(
+            &["Hel", "lo", " world"],
+            Some((8, 3)),
+            Duration::from_millis(50),
+        ),
     )
     .await;
     let running = sidecar(&policy(&up.base_url(), "")).await;
@@ -306,16 +408,28 @@ async fn sdk_streaming_matches_direct() {
         &py,
         "stream.py",
         &base_url(&running),
-        &[("MOCK_BASE_URL", &up.base_url()), ("UPSTREAM_MODEL", "gpt-mock")],
+        &[
+            ("MOCK_BASE_URL", &up.base_url()),
+            ("UPSTREAM_MODEL", "gpt-mock"),
+        ],
     )
     .await;
 
-    for k in ["direct_plain", "sidecar_plain", "direct_usage", "sidecar_usage"] {
+    for k in [
+        "direct_plain",
+        "sidecar_plain",
+        "direct_usage",
+        "sidecar_usage",
+    ] {
         assert_eq!(v[k]["content"], "Hello world", "{k}: {}", v[k]);
     }
     // Without stream_options the SDK sees no usage chunk, although the sidecar asked upstream.
     for k in ["direct_plain", "sidecar_plain"] {
-        assert_eq!(v[k]["usage_chunks"], serde_json::json!([]), "{k}: a usage chunk the client did not ask for");
+        assert_eq!(
+            v[k]["usage_chunks"],
+            serde_json::json!([]),
+            "{k}: a usage chunk the client did not ask for"
+        );
         assert_eq!(v[k]["last_usage"], Value::Null, "{k}");
     }
     // With it, the last chunk carries the usage.
@@ -331,26 +445,52 @@ async fn sdk_streaming_matches_direct() {
     assert_eq!(v["sidecar_usage"]["pieces"], v["direct_usage"]["pieces"]);
     assert_eq!(v["sidecar_plain"]["count"], v["direct_plain"]["count"]);
     assert_eq!(v["sidecar_usage"]["count"], v["direct_usage"]["count"]);
-    assert_eq!(v["direct_usage"]["count"].as_u64().unwrap(), v["direct_plain"]["count"].as_u64().unwrap() + 1);
-    assert_eq!(v["sidecar_plain"]["chunks"], v["direct_plain"]["chunks"], "without stream_options");
-    assert_eq!(v["sidecar_usage"]["chunks"], v["direct_usage"]["chunks"], "with stream_options");
+    assert_eq!(
+        v["direct_usage"]["count"].as_u64().unwrap(),
+        v["direct_plain"]["count"].as_u64().unwrap() + 1
+    );
+    assert_eq!(
+        v["sidecar_plain"]["chunks"], v["direct_plain"]["chunks"],
+        "without stream_options"
+    );
+    assert_eq!(
+        v["sidecar_usage"]["chunks"], v["direct_usage"]["chunks"],
+        "with stream_options"
+    );
 
     for k in ["sidecar_plain", "sidecar_usage"] {
         let h = &v[k]["headers"];
-        assert!(h["content-type"].as_str().unwrap().starts_with("text/event-stream"), "{k}: {h}");
+        assert!(
+            h["content-type"]
+                .as_str()
+                .unwrap()
+                .starts_with("text/event-stream"),
+            "{k}: {h}"
+        );
         assert_eq!(h["x-tollgate-action"], "ALLOW", "{k}: {h}");
         assert_eq!(h["x-tollgate-backend"], "mock", "{k}: {h}");
         // Chunks 50 ms apart upstream arrive spread out, not buffered into one burst.
-        let times: Vec<f64> = v[k]["times"].as_array().unwrap().iter().map(|t| t.as_f64().unwrap()).collect();
+        let times: Vec<f64> = v[k]["times"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_f64().unwrap())
+            .collect();
         let spread = times.last().unwrap() - times.first().unwrap();
-        assert!(spread >= 0.12, "{k}: chunks arrived within {spread:.3} s: buffered? {times:?}");
+        assert!(
+            spread >= 0.12,
+            "{k}: chunks arrived within {spread:.3} s: buffered? {times:?}"
+        );
     }
 
     // The mock's log, in the script's order: direct plain, sidecar plain, direct usage, sidecar usage.
     let reqs = up.requests();
     assert_eq!(reqs.len(), 4);
     assert!(!reqs[0].include_usage());
-    assert!(reqs[1].include_usage(), "the sidecar asks the upstream for usage");
+    assert!(
+        reqs[1].include_usage(),
+        "the sidecar asks the upstream for usage"
+    );
     assert_eq!(reqs[1].model(), Some("gpt-mock"));
     assert!(reqs[2].include_usage() && reqs[3].include_usage());
     running.shutdown().await;
@@ -358,7 +498,9 @@ async fn sdk_streaming_matches_direct() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sdk_static_response_when_no_backend() {
-    let Some(py) = sdk_python("sdk_static_response_when_no_backend") else { return };
+    let Some(py) = sdk_python("sdk_static_response_when_no_backend") else {
+        return;
+    };
     // Port 9 (discard) on loopback: connection refused.
     let yaml = r#"version: sdk-static
 backends:
@@ -375,16 +517,28 @@ routes:
     assert_eq!(v["content"], "unavailable");
     assert_eq!(v["finish_reason"], "stop");
     assert_eq!(v["model"], "chat");
-    assert_eq!(v["usage"], serde_json::json!({"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}));
+    assert_eq!(
+        v["usage"],
+        serde_json::json!({"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0})
+    );
     assert_eq!(header(&v, "x-tollgate-backend"), "static");
     assert_eq!(header(&v, "x-tollgate-action"), "DEGRADE");
 
     let s = &v["stream"];
     assert_eq!(s["content"], "unavailable", "static stream: {s}");
     assert_eq!(s["types"], serde_json::json!(["chat.completion.chunk"]));
-    assert!(s["finish_reasons"].as_array().unwrap().contains(&serde_json::json!("stop")), "{s}");
+    assert!(
+        s["finish_reasons"]
+            .as_array()
+            .unwrap()
+            .contains(&serde_json::json!("stop")),
+        "{s}"
+    );
     let s = &v["stream_usage"];
-    assert_eq!(s["content"], "unavailable", "static stream with include_usage: {s}");
+    assert_eq!(
+        s["content"], "unavailable",
+        "static stream with include_usage: {s}"
+    );
     // SPEC §3: the static answer has usage zero; a stream that asked for usage ends with it.
     assert_eq!(s["last_usage"]["total_tokens"], 0, "{s}");
     running.shutdown().await;

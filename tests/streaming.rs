@@ -40,8 +40,17 @@ fn policy(backends: &[(&str, &str)], extra: &str) -> String {
 }
 
 fn job_committed(r: &Running, job: &str) -> u64 {
-    let key = CounterKey { scope: Scope::Job, id: Arc::from(job), window: None };
-    r.app.governor.ledger.get(&key).map(|c| c.committed().tokens).unwrap_or(0)
+    let key = CounterKey {
+        scope: Scope::Job,
+        id: Arc::from(job),
+        window: None,
+    };
+    r.app
+        .governor
+        .ledger
+        .get(&key)
+        .map(|c| c.committed().tokens)
+        .unwrap_or(0)
 }
 
 async fn wait_reserved_zero(r: &Running) -> u64 {
@@ -63,31 +72,71 @@ fn chat(stream_opts: bool) -> serde_json::Value {
     b
 }
 
-const PIECES: [&str; 10] = ["Hel", "lo", " wor", "ld", ",", " how", " are", " you", " to", "day"];
+const PIECES: [&str; 10] = [
+    "Hel", "lo", " wor", "ld", ",", " how", " are", " you", " to", "day",
+];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn first_chunk_arrives_long_before_the_last() {
     let every = Duration::from_millis(50);
-    let mock = MockUpstream::start_with_default(vec![], Answer::sse_chat(&PIECES, Some((9, 10)), every)).await;
+    let mock =
+        MockUpstream::start_with_default(vec![], Answer::sse_chat(&PIECES, Some((9, 10)), every))
+            .await;
     let r = sidecar(&policy(&[("a", &mock.base_url())], "")).await;
-    let through: Streamed = post_json_frames(&format!("http://{}/v1/chat/completions", r.addr), &chat(false), &[]).await;
-    let direct: Streamed = post_json_frames(&mock.url("/chat/completions"), &chat(false), &[]).await;
+    let through: Streamed = post_json_frames(
+        &format!("http://{}/v1/chat/completions", r.addr),
+        &chat(false),
+        &[],
+    )
+    .await;
+    let direct: Streamed =
+        post_json_frames(&mock.url("/chat/completions"), &chat(false), &[]).await;
     assert_eq!(through.status, 200);
-    let (first, last) = (through.frames[0].0, through.frames.last().expect("frames").0);
-    assert!(through.frames.len() >= 10, "frames arrive separately: {}", through.frames.len());
-    assert!(last - first >= Duration::from_millis(400), "spread over the stream: {first:?}..{last:?}");
-    assert!(first < Duration::from_millis(200), "first chunk not held back: {first:?}");
+    let (first, last) = (
+        through.frames[0].0,
+        through.frames.last().expect("frames").0,
+    );
+    assert!(
+        through.frames.len() >= 10,
+        "frames arrive separately: {}",
+        through.frames.len()
+    );
+    assert!(
+        last - first >= Duration::from_millis(400),
+        "spread over the stream: {first:?}..{last:?}"
+    );
+    assert!(
+        first < Duration::from_millis(200),
+        "first chunk not held back: {first:?}"
+    );
     let ttfb_added = first.saturating_sub(direct.frames[0].0);
-    assert!(ttfb_added < Duration::from_millis(100), "added TTFB {ttfb_added:?}");
-    assert_eq!(through.headers.get("content-type").and_then(|v| v.to_str().ok()), Some("text/event-stream"));
-    assert_eq!(through.headers.get("x-tollgate-action").and_then(|v| v.to_str().ok()), Some("ALLOW"));
+    assert!(
+        ttfb_added < Duration::from_millis(100),
+        "added TTFB {ttfb_added:?}"
+    );
+    assert_eq!(
+        through
+            .headers
+            .get("content-type")
+            .and_then(|v| v.to_str().ok()),
+        Some("text/event-stream")
+    );
+    assert_eq!(
+        through
+            .headers
+            .get("x-tollgate-action")
+            .and_then(|v| v.to_str().ok()),
+        Some("ALLOW")
+    );
     r.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn body_is_byte_for_byte_with_and_without_include_usage() {
     let every = Duration::from_millis(5);
-    let mock = MockUpstream::start_with_default(vec![], Answer::sse_chat(&PIECES, Some((9, 10)), every)).await;
+    let mock =
+        MockUpstream::start_with_default(vec![], Answer::sse_chat(&PIECES, Some((9, 10)), every))
+            .await;
     let r = sidecar(&policy(&[("a", &mock.base_url())], "")).await;
     let url = format!("http://{}/v1/chat/completions", r.addr);
     for (opts, job) in [(true, "J-with"), (false, "J-without")] {
@@ -97,11 +146,18 @@ async fn body_is_byte_for_byte_with_and_without_include_usage() {
         let direct = post_json_frames(&mock.url("/chat/completions"), &direct_body, &[]).await;
         let through = post_json_frames(&url, &chat(opts), &[("x-tollgate-job", job)]).await;
         assert_eq!(through.text(), direct.text(), "include_usage={opts}");
-        let has_usage_chunk = through.sse_data().iter().any(|d| d.contains("\"choices\":[]"));
+        let has_usage_chunk = through
+            .sse_data()
+            .iter()
+            .any(|d| d.contains("\"choices\":[]"));
         assert_eq!(has_usage_chunk, opts, "usage chunk only when asked for");
         // Usage was read from the stream either way (the sidecar asked for it upstream).
         assert!(mock.last_request().expect("request").include_usage());
-        assert_eq!(job_committed(&r, job), 19, "9 prompt + 10 completion committed as ACTUAL");
+        assert_eq!(
+            job_committed(&r, job),
+            19,
+            "9 prompt + 10 completion committed as ACTUAL"
+        );
     }
     assert_eq!(wait_reserved_zero(&r).await, 0);
     r.shutdown().await;
@@ -109,7 +165,11 @@ async fn body_is_byte_for_byte_with_and_without_include_usage() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_usage_in_stream_is_counted_by_the_tokenizer() {
-    let mock = MockUpstream::start_with_default(vec![], Answer::sse_chat(&PIECES, None, Duration::from_millis(1))).await;
+    let mock = MockUpstream::start_with_default(
+        vec![],
+        Answer::sse_chat(&PIECES, None, Duration::from_millis(1)),
+    )
+    .await;
     let r = sidecar(&policy(&[("a", &mock.base_url())], "")).await;
     let url = format!("http://{}/v1/chat/completions", r.addr);
     let s = post_json_frames(&url, &chat(false), &[("x-tollgate-job", "J-est")]).await;
@@ -121,14 +181,21 @@ async fn no_usage_in_stream_is_counted_by_the_tokenizer() {
         tollgate::policy::Tokenizer::O200k,
     )
     .expect("estimate");
-    assert!(committed > est.input_tokens, "input estimate plus counted output: {committed}");
+    assert!(
+        committed > est.input_tokens,
+        "input estimate plus counted output: {committed}"
+    );
     assert!(committed <= est.input_tokens + 20, "{committed}");
     r.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hundred_disconnects_leave_no_reservation() {
-    let mock = MockUpstream::start_with_default(vec![], Answer::sse_chat(&PIECES, Some((9, 10)), Duration::from_millis(15))).await;
+    let mock = MockUpstream::start_with_default(
+        vec![],
+        Answer::sse_chat(&PIECES, Some((9, 10)), Duration::from_millis(15)),
+    )
+    .await;
     let r = sidecar(&policy(&[("a", &mock.base_url())], "")).await;
     let url = format!("http://{}/v1/chat/completions", r.addr);
     let mut tasks = Vec::new();
@@ -139,7 +206,9 @@ async fn a_hundred_disconnects_leave_no_reservation() {
             let req = http::Request::post(&url)
                 .header("content-type", "application/json")
                 .header("x-tollgate-job", format!("D{i}"))
-                .body(http_body_util::Full::new(bytes::Bytes::from(chat(false).to_string())))
+                .body(http_body_util::Full::new(bytes::Bytes::from(
+                    chat(false).to_string(),
+                )))
                 .expect("request");
             let resp = client.request(req).await.expect("response");
             let mut body = resp.into_body();
@@ -155,7 +224,11 @@ async fn a_hundred_disconnects_leave_no_reservation() {
     for t in tasks {
         t.await.expect("task");
     }
-    assert_eq!(wait_reserved_zero(&r).await, 0, "every reservation returned");
+    assert_eq!(
+        wait_reserved_zero(&r).await,
+        0,
+        "every reservation returned"
+    );
     r.shutdown().await;
 }
 
@@ -168,10 +241,22 @@ async fn mid_stream_failure_ends_with_an_error_event_and_counts_against_the_circ
     let s = post_json_frames(&url, &chat(false), &[("x-tollgate-job", "J-broken")]).await;
     assert_eq!(s.status, 200, "headers were already sent");
     let last = s.sse_data().last().cloned().unwrap_or_default();
-    assert!(last.contains("\"error\""), "ends with an error event: {last}");
+    assert!(
+        last.contains("\"error\""),
+        "ends with an error event: {last}"
+    );
     assert_eq!(mock.hits(), 1, "no fallback after bytes were sent");
-    assert!(job_committed(&r, "J-broken") > 0, "what was seen is committed (PARTIAL)");
-    assert_eq!(r.app.governor.circuit(&Arc::from("a")).consecutive_failures(), 1);
+    assert!(
+        job_committed(&r, "J-broken") > 0,
+        "what was seen is committed (PARTIAL)"
+    );
+    assert_eq!(
+        r.app
+            .governor
+            .circuit(&Arc::from("a"))
+            .consecutive_failures(),
+        1
+    );
     assert_eq!(wait_reserved_zero(&r).await, 0);
     r.shutdown().await;
 }
@@ -181,7 +266,12 @@ async fn output_past_the_reservation_is_stopped() {
     // A provider that ignores max_tokens: 400 words for a cap of 5 tokens, no usage.
     let words: Vec<String> = (0..400).map(|i| format!(" word{i}")).collect();
     let pieces: Vec<&str> = words.iter().map(String::as_str).collect();
-    let mock = MockUpstream::start(vec![Answer::sse_chat(&pieces, None, Duration::from_millis(1))]).await;
+    let mock = MockUpstream::start(vec![Answer::sse_chat(
+        &pieces,
+        None,
+        Duration::from_millis(1),
+    )])
+    .await;
     let r = sidecar(&policy(&[("a", &mock.base_url())], "")).await;
     let url = format!("http://{}/v1/chat/completions", r.addr);
     let mut body = chat(false);
@@ -189,8 +279,15 @@ async fn output_past_the_reservation_is_stopped() {
     let s = post_json_frames(&url, &body, &[("x-tollgate-job", "J-guard")]).await;
     let data = s.sse_data();
     let last = data.last().cloned().unwrap_or_default();
-    assert!(last.contains("hard_budget_exceeded"), "stopped with an error event: {last}");
-    assert!(data.len() < 100, "stopped early, not after 400 chunks: {}", data.len());
+    assert!(
+        last.contains("hard_budget_exceeded"),
+        "stopped with an error event: {last}"
+    );
+    assert!(
+        data.len() < 100,
+        "stopped early, not after 400 chunks: {}",
+        data.len()
+    );
     assert_eq!(wait_reserved_zero(&r).await, 0);
     r.shutdown().await;
 }
@@ -198,23 +295,53 @@ async fn output_past_the_reservation_is_stopped() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failure_before_the_first_byte_fails_over() {
     let down = MockUpstream::start_with_default(vec![], Answer::status(503)).await;
-    let up = MockUpstream::start_with_default(vec![], Answer::sse_chat(&PIECES, Some((9, 10)), Duration::from_millis(1))).await;
-    let r = sidecar(&policy(&[("a", &down.base_url()), ("b", &up.base_url())], "retry: {same_backend_retries: 0}\n")).await;
-    let s = post_json_frames(&format!("http://{}/v1/chat/completions", r.addr), &chat(false), &[]).await;
+    let up = MockUpstream::start_with_default(
+        vec![],
+        Answer::sse_chat(&PIECES, Some((9, 10)), Duration::from_millis(1)),
+    )
+    .await;
+    let r = sidecar(&policy(
+        &[("a", &down.base_url()), ("b", &up.base_url())],
+        "retry: {same_backend_retries: 0}\n",
+    ))
+    .await;
+    let s = post_json_frames(
+        &format!("http://{}/v1/chat/completions", r.addr),
+        &chat(false),
+        &[],
+    )
+    .await;
     assert_eq!(s.status, 200);
-    assert_eq!(s.headers.get("x-tollgate-backend").and_then(|v| v.to_str().ok()), Some("b"));
+    assert_eq!(
+        s.headers
+            .get("x-tollgate-backend")
+            .and_then(|v| v.to_str().ok()),
+        Some("b")
+    );
     assert!(s.text().contains("day"));
     r.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn static_answer_streams_and_refusals_are_plain_json() {
-    let r = sidecar(&policy(&[("a", "http://127.0.0.1:9/v1")], "retry: {same_backend_retries: 0}\n")).await;
+    let r = sidecar(&policy(
+        &[("a", "http://127.0.0.1:9/v1")],
+        "retry: {same_backend_retries: 0}\n",
+    ))
+    .await;
     let url = format!("http://{}/v1/chat/completions", r.addr);
     let s = post_json_frames(&url, &chat(false), &[]).await;
     assert_eq!(s.status, 200);
-    assert_eq!(s.headers.get("content-type").and_then(|v| v.to_str().ok()), Some("text/event-stream"));
-    assert_eq!(s.headers.get("x-tollgate-backend").and_then(|v| v.to_str().ok()), Some("static"));
+    assert_eq!(
+        s.headers.get("content-type").and_then(|v| v.to_str().ok()),
+        Some("text/event-stream")
+    );
+    assert_eq!(
+        s.headers
+            .get("x-tollgate-backend")
+            .and_then(|v| v.to_str().ok()),
+        Some("static")
+    );
     let data = s.sse_data();
     assert!(data[0].contains("unavailable"));
     assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
@@ -224,7 +351,10 @@ async fn static_answer_streams_and_refusals_are_plain_json() {
     big["max_tokens"] = json!(200_000);
     let s = post_json_frames(&url, &big, &[]).await;
     assert_eq!(s.status, 403);
-    assert_eq!(s.headers.get("content-type").and_then(|v| v.to_str().ok()), Some("application/json"));
+    assert_eq!(
+        s.headers.get("content-type").and_then(|v| v.to_str().ok()),
+        Some("application/json")
+    );
     let v = common::json(&s.body());
     assert_eq!(v["tollgate"]["reason_class"], "HARD_BUDGET_EXCEEDED");
     r.shutdown().await;
@@ -241,7 +371,9 @@ async fn h2c_prior_knowledge_is_served() {
     let body = json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]});
     let req = http::Request::post(format!("http://{}/v1/chat/completions", r.addr))
         .header("content-type", "application/json")
-        .body(http_body_util::Full::new(bytes::Bytes::from(body.to_string())))
+        .body(http_body_util::Full::new(bytes::Bytes::from(
+            body.to_string(),
+        )))
         .expect("request");
     let resp = client.request(req).await.expect("h2c response");
     assert_eq!(resp.version(), http::Version::HTTP_2);

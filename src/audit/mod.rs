@@ -39,23 +39,33 @@ impl Audit {
 
     /// Starts a JSONL writer appending to `path`.
     pub fn jsonl(path: PathBuf, queue: usize) -> std::io::Result<(Audit, AuditWriter)> {
-        let file = std::fs::OpenOptions::new().create(true).append(true).open(&path)?;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)?;
         let (tx, mut rx) = mpsc::channel::<Entry>(queue.max(1));
-        let thread = std::thread::Builder::new().name("tollgate-audit".into()).spawn(move || {
-            let mut out = std::io::BufWriter::with_capacity(256 * 1024, file);
-            while let Some(e) = rx.blocking_recv() {
-                write_one(&mut out, &e);
-                // Drain what is queued, then flush once: batched writes under load.
-                while let Ok(e) = rx.try_recv() {
+        let thread = std::thread::Builder::new()
+            .name("tollgate-audit".into())
+            .spawn(move || {
+                let mut out = std::io::BufWriter::with_capacity(256 * 1024, file);
+                while let Some(e) = rx.blocking_recv() {
                     write_one(&mut out, &e);
+                    // Drain what is queued, then flush once: batched writes under load.
+                    while let Ok(e) = rx.try_recv() {
+                        write_one(&mut out, &e);
+                    }
+                    if let Err(err) = out.flush() {
+                        tracing::error!(%err, "audit flush failed");
+                    }
                 }
-                if let Err(err) = out.flush() {
-                    tracing::error!(%err, "audit flush failed");
-                }
-            }
-            let _ = out.flush();
-        })?;
-        Ok((Audit { tx: Some(tx) }, AuditWriter { thread: Some(thread) }))
+                let _ = out.flush();
+            })?;
+        Ok((
+            Audit { tx: Some(tx) },
+            AuditWriter {
+                thread: Some(thread),
+            },
+        ))
     }
 
     /// Queues a record; waits while the queue is full.
@@ -69,7 +79,8 @@ impl Audit {
 }
 
 fn write_one(out: &mut impl Write, e: &Entry) {
-    let res = serde_json::to_writer(&mut *out, e).and_then(|_| out.write_all(b"\n").map_err(serde_json::Error::io));
+    let res = serde_json::to_writer(&mut *out, e)
+        .and_then(|_| out.write_all(b"\n").map_err(serde_json::Error::io));
     if let Err(err) = res {
         tracing::error!(%err, "audit write failed");
     }

@@ -137,7 +137,9 @@ impl Circuit {
             CircuitState::Open => {
                 let until = self.open_until();
                 if now < until {
-                    return Admission::Rejected { retry_after_ms: until - now };
+                    return Admission::Rejected {
+                        retry_after_ms: until - now,
+                    };
                 }
                 // Time is up: one caller moves it to HALF_OPEN with no probes in flight.
                 if self
@@ -163,9 +165,13 @@ impl Circuit {
                     })
                     .is_ok();
                 if took {
-                    Admission::Probe(ProbeSlot { probes: self.probes.clone() })
+                    Admission::Probe(ProbeSlot {
+                        probes: self.probes.clone(),
+                    })
                 } else {
-                    Admission::Rejected { retry_after_ms: HALF_OPEN_BUSY_RETRY_MS }
+                    Admission::Rejected {
+                        retry_after_ms: HALF_OPEN_BUSY_RETRY_MS,
+                    }
                 }
             }
         }
@@ -175,7 +181,8 @@ impl Circuit {
     pub fn on_success(&self, probe: Option<ProbeSlot>) {
         self.failures.store(0, Ordering::Release);
         if probe.is_some() || self.raw_state() == CircuitState::HalfOpen {
-            self.state.store(CircuitState::Closed as u8, Ordering::Release);
+            self.state
+                .store(CircuitState::Closed as u8, Ordering::Release);
         }
         drop(probe);
     }
@@ -189,7 +196,10 @@ impl Circuit {
         probe: Option<ProbeSlot>,
         retry_after_ms: Option<i64>,
     ) -> bool {
-        let failures = self.failures.fetch_add(1, Ordering::AcqRel).saturating_add(1);
+        let failures = self
+            .failures
+            .fetch_add(1, Ordering::AcqRel)
+            .saturating_add(1);
         let was_probe = probe.is_some() || self.raw_state() == CircuitState::HalfOpen;
         let trip = was_probe || failures >= cfg.failure_threshold.max(1);
         if trip && self.raw_state() != CircuitState::Open {
@@ -198,8 +208,10 @@ impl Circuit {
                 hold = hold.max(retry_after_ms.unwrap_or(0));
             }
             self.opened_at.store(now, Ordering::Release);
-            self.open_until.store(now.saturating_add(hold), Ordering::Release);
-            self.state.store(CircuitState::Open as u8, Ordering::Release);
+            self.open_until
+                .store(now.saturating_add(hold), Ordering::Release);
+            self.state
+                .store(CircuitState::Open as u8, Ordering::Release);
             drop(probe);
             return true;
         }

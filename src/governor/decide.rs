@@ -68,7 +68,11 @@ impl Governor {
         );
         let start = clock.now_ms();
         let windows = self.windows_at(&policy.windows, start);
-        let who = Who { request_id: &ctx.request_id, job_id: &ctx.job_id, consumer: &ctx.consumer };
+        let who = Who {
+            request_id: &ctx.request_id,
+            job_id: &ctx.job_id,
+            consumer: &ctx.consumer,
+        };
         let req_parts = plan::request_parts(policy, &windows, &self.ledger, &who);
         let job = self.ledger.job(&ctx.job_id, start);
         let n = u64::from(ctx.n.max(1));
@@ -79,7 +83,9 @@ impl Governor {
         rec.retry_budget = policy.retry.max_attempts_per_job;
 
         // Output cap per choice: the client's, else the policy default.
-        let mut per_choice = ctx.max_output_tokens.unwrap_or(u64::from(policy.estimate.default_max_output_tokens));
+        let mut per_choice = ctx
+            .max_output_tokens
+            .unwrap_or(u64::from(policy.estimate.default_max_output_tokens));
         rec.requested_output_tokens = per_choice * n;
 
         // Soft bounds already crossed change behaviour for later requests (SPEC §5).
@@ -96,10 +102,14 @@ impl Governor {
 
         let primary_worst = primary_backend.worst_tokens(ctx.input_tokens, per_choice * n);
         rec.worst_case_tokens = primary_worst;
-        rec.worst_case_usd = micros_to_usd(primary_backend.worst_cost(ctx.input_tokens, per_choice * n));
+        rec.worst_case_usd =
+            micros_to_usd(primary_backend.worst_cost(ctx.input_tokens, per_choice * n));
         let amp_cap = (primary_worst as f64 * policy.fallback.max_amplification).floor() as u64;
         let mut sum_worst: u64 = 0;
-        let mut walk = Walk { degraded: rec.final_action == FinalAction::Degrade, ..Walk::default() };
+        let mut walk = Walk {
+            degraded: rec.final_action == FinalAction::Degrade,
+            ..Walk::default()
+        };
         let mut attempt_no: u32 = 0;
 
         'chain: for (ei, entry) in route.chain.iter().enumerate() {
@@ -111,7 +121,8 @@ impl Governor {
                 continue;
             }
             walk.any_eligible = true;
-            let entry_parts = plan::entry_parts(policy, &windows, &self.ledger, backend, &entry.model);
+            let entry_parts =
+                plan::entry_parts(policy, &windows, &self.ledger, backend, &entry.model);
             let mut tries_here: u32 = 0;
             let mut waited_ms: i64 = 0;
             let mut entry_per_choice = per_choice;
@@ -133,11 +144,23 @@ impl Governor {
                         let dim = refusal.refusal.dim;
                         let bidx = part.hard_src[dim as usize].unwrap_or(0);
                         let bound = &policy.bounds[bidx];
-                        note_refusal(&mut rec, &mut walk, bound, part, refusal.refusal, amount.get(dim), backend.id.clone(), &windows, now);
+                        note_refusal(
+                            &mut rec,
+                            &mut walk,
+                            bound,
+                            part,
+                            refusal.refusal,
+                            amount.get(dim),
+                            backend.id.clone(),
+                            &windows,
+                            now,
+                        );
                         let request_wide = !part.key.scope.is_entry_scoped();
                         if bound.class == BoundClass::Budget {
                             if let Some(min) = policy.degrade.clamp_min_output_tokens {
-                                if let Some(total) = plan::max_output_that_fits(&all, backend, ctx.input_tokens) {
+                                if let Some(total) =
+                                    plan::max_output_that_fits(&all, backend, ctx.input_tokens)
+                                {
                                     let clamped = total / n;
                                     if clamped >= u64::from(min) && clamped < entry_per_choice {
                                         entry_per_choice = clamped;
@@ -249,7 +272,8 @@ impl Governor {
                         rec.upstream_model = Some(entry.model.clone());
                         rec.worst_case_tokens = amount.tokens;
                         rec.worst_case_usd = micros_to_usd(amount.usd);
-                        rec.remaining_tokens = all.iter().filter_map(|p| p.remaining(Dim::Tokens)).min();
+                        rec.remaining_tokens =
+                            all.iter().filter_map(|p| p.remaining(Dim::Tokens)).min();
                         if ei > 0 {
                             rec.fallback_state = FallbackState::Used;
                         }
@@ -262,8 +286,16 @@ impl Governor {
                         self.finish_counts(&mut rec, &job, sum_worst, primary_worst);
                         let parts = all.into_iter().cloned().collect();
                         let forget_job = ctx.ephemeral_job().then(|| ctx.job_id.clone());
-                        let pending = Pending { reservation, parts, backend_index: entry.backend, forget_job };
-                        return Outcome { record: rec, served: Served::Upstream { payload, pending } };
+                        let pending = Pending {
+                            reservation,
+                            parts,
+                            backend_index: entry.backend,
+                            forget_job,
+                        };
+                        return Outcome {
+                            record: rec,
+                            served: Served::Upstream { payload, pending },
+                        };
                     }
                     CallResult::NotRetryable { payload, status } => {
                         circuit.on_success(probe);
@@ -278,7 +310,10 @@ impl Governor {
                         rec.http_status = status;
                         self.finish_counts(&mut rec, &job, sum_worst, primary_worst);
                         self.end_job(ctx);
-                        return Outcome { record: rec, served: Served::Passthrough { payload } };
+                        return Outcome {
+                            record: rec,
+                            served: Served::Passthrough { payload },
+                        };
                     }
                     CallResult::Failed(f) => {
                         drop(reservation);
@@ -294,8 +329,11 @@ impl Governor {
                         walk.throttled = f.class == FailureClass::Throttled;
                         let ra = f.retry_after_ms;
                         walk.hint(ra.unwrap_or_else(|| backoff_ms(policy, tries_here)));
-                        let ra_ok = ra.is_none_or(|ms| ms <= policy.retry.max_retry_after.as_millis() as i64);
-                        if tries_here < policy.retry.same_backend_retries && f.retryable(&policy.retry.retry_on) {
+                        let ra_ok = ra
+                            .is_none_or(|ms| ms <= policy.retry.max_retry_after.as_millis() as i64);
+                        if tries_here < policy.retry.same_backend_retries
+                            && f.retryable(&policy.retry.retry_on)
+                        {
                             if !ra_ok {
                                 // Retry-After says when; longer than we wait in-request: move on.
                                 walk.gate_blocked = true;
@@ -353,15 +391,22 @@ impl Governor {
                 rec.backend = Arc::from("static");
                 rec.http_status = 200;
                 degrade_note(&mut rec);
-                return Outcome { record: rec, served: Served::Static(text.clone()) };
+                return Outcome {
+                    record: rec,
+                    served: Served::Static(text.clone()),
+                };
             }
         }
         let deferrable = match rec.reason_class {
-            ReasonClass::QuotaBlocked | ReasonClass::HardBudgetExceeded | ReasonClass::ModelIneligible => false,
+            ReasonClass::QuotaBlocked
+            | ReasonClass::HardBudgetExceeded
+            | ReasonClass::ModelIneligible => false,
             ReasonClass::RateLimited => true,
             _ => walk.wait_hint_ms.is_some(),
         };
-        let hint = walk.wait_hint_ms.unwrap_or(policy.retry.backoff_initial.as_millis() as i64);
+        let hint = walk
+            .wait_hint_ms
+            .unwrap_or(policy.retry.backoff_initial.as_millis() as i64);
         let defer_cap = policy.defer.max_retry_after.as_millis() as i64;
         if deferrable && policy.defer.allowed && hint <= defer_cap {
             rec.final_action = FinalAction::Defer;
@@ -372,7 +417,10 @@ impl Governor {
             rec.final_action = FinalAction::HardStop;
             rec.http_status = 403;
         }
-        Outcome { record: rec, served: Served::Refused }
+        Outcome {
+            record: rec,
+            served: Served::Refused,
+        }
     }
 
     fn end_job(&self, ctx: &RequestCtx) {
@@ -381,10 +429,20 @@ impl Governor {
         }
     }
 
-    fn finish_counts(&self, rec: &mut Record, job: &crate::ledger::JobLedger, sum_worst: u64, primary_worst: u64) {
+    fn finish_counts(
+        &self,
+        rec: &mut Record,
+        job: &crate::ledger::JobLedger,
+        sum_worst: u64,
+        primary_worst: u64,
+    ) {
         rec.job_attempts = job.attempts();
         rec.job_fallbacks = job.fallbacks();
-        rec.amplification = if primary_worst == 0 { 0.0 } else { sum_worst as f64 / primary_worst as f64 };
+        rec.amplification = if primary_worst == 0 {
+            0.0
+        } else {
+            sum_worst as f64 / primary_worst as f64
+        };
     }
 }
 
@@ -397,7 +455,9 @@ fn soft_crossed(policy: &Policy, parts: &[PartInfo]) -> bool {
         let committed = p.counter.committed();
         p.bounds.iter().any(|&b| {
             let soft = policy.bounds[b].soft.as_array();
-            Dim::ALL.iter().any(|&d| soft[d as usize].is_some_and(|s| committed.get(d) > s))
+            Dim::ALL
+                .iter()
+                .any(|&d| soft[d as usize].is_some_and(|s| committed.get(d) > s))
         })
     })
 }

@@ -99,18 +99,27 @@ pub struct Governor {
 
 impl Governor {
     pub fn new(ledger: Arc<Ledger>) -> Self {
-        Governor { ledger, circuits: DashMap::new(), windows: ArcSwapOption::empty() }
+        Governor {
+            ledger,
+            circuits: DashMap::new(),
+            windows: ArcSwapOption::empty(),
+        }
     }
 
     /// The calendar windows at `now` in the policy's zone, cached until the minute turns.
-    pub fn windows_at(&self, cfg: &crate::policy::WindowsCfg, now: crate::units::Millis) -> WindowSet {
+    pub fn windows_at(
+        &self,
+        cfg: &crate::policy::WindowsCfg,
+        now: crate::units::Millis,
+    ) -> WindowSet {
         if let Some(c) = &*self.windows.load() {
             if c.0 == cfg.timezone_name && c.1.holds_at(now) {
                 return c.1;
             }
         }
         let set = WindowSet::at(&cfg.timezone, now);
-        self.windows.store(Some(Arc::new((cfg.timezone_name.clone(), set))));
+        self.windows
+            .store(Some(Arc::new((cfg.timezone_name.clone(), set))));
         set
     }
 
@@ -124,7 +133,10 @@ impl Governor {
 
     /// All circuits by backend id (status pages, persistence).
     pub fn circuits(&self) -> Vec<(Arc<str>, Arc<Circuit>)> {
-        self.circuits.iter().map(|e| (e.key().clone(), e.value().clone())).collect()
+        self.circuits
+            .iter()
+            .map(|e| (e.key().clone(), e.value().clone()))
+            .collect()
     }
 
     /// Drops circuits of backends no longer in the policy (after a reload).

@@ -20,7 +20,10 @@ pub struct PartInfo {
 
 impl PartInfo {
     pub fn reserve_part(&self) -> ReservePart {
-        ReservePart { counter: self.counter.clone(), hard: self.hard }
+        ReservePart {
+            counter: self.counter.clone(),
+            hard: self.hard,
+        }
     }
 
     /// Room left under the hard limit in a dimension, now.
@@ -40,7 +43,13 @@ fn global_id() -> Arc<str> {
     Arc::from("global")
 }
 
-fn add(parts: &mut Vec<PartInfo>, idx: usize, b: &Bound, key: CounterKey, make: impl FnOnce() -> Arc<Counter>) {
+fn add(
+    parts: &mut Vec<PartInfo>,
+    idx: usize,
+    b: &Bound,
+    key: CounterKey,
+    make: impl FnOnce() -> Arc<Counter>,
+) {
     let pos = parts.iter().position(|p| p.key == key);
     let part = match pos {
         Some(i) => &mut parts[i],
@@ -72,11 +81,23 @@ fn key_for(b: &Bound, id: Arc<str>, windows: &WindowSet) -> (CounterKey, i64) {
         Some(w) => (Some(windows.key(w)), windows.end(w)),
         None => (None, i64::MAX),
     };
-    (CounterKey { scope: b.scope, id, window }, expires)
+    (
+        CounterKey {
+            scope: b.scope,
+            id,
+            window,
+        },
+        expires,
+    )
 }
 
 /// Counters of bounds that decide for the whole request (request, job, consumer, global).
-pub fn request_parts(policy: &Policy, windows: &WindowSet, ledger: &Ledger, who: &Who<'_>) -> Vec<PartInfo> {
+pub fn request_parts(
+    policy: &Policy,
+    windows: &WindowSet,
+    ledger: &Ledger,
+    who: &Who<'_>,
+) -> Vec<PartInfo> {
     let mut parts = Vec::new();
     for (idx, b) in policy.bounds.iter().enumerate() {
         let id = match b.scope {
@@ -94,7 +115,9 @@ pub fn request_parts(policy: &Policy, windows: &WindowSet, ledger: &Ledger, who:
             // A request's counter lives only as long as the request: keep it out of the map.
             add(&mut parts, idx, b, key, || Arc::new(Counter::new(i64::MAX)));
         } else {
-            add(&mut parts, idx, b, key.clone(), || ledger.counter(&key, expires));
+            add(&mut parts, idx, b, key.clone(), || {
+                ledger.counter(&key, expires)
+            });
         }
     }
     parts
@@ -119,7 +142,9 @@ pub fn entry_parts(
             continue;
         }
         let (key, expires) = key_for(b, id, windows);
-        add(&mut parts, idx, b, key.clone(), || ledger.counter(&key, expires));
+        add(&mut parts, idx, b, key.clone(), || {
+            ledger.counter(&key, expires)
+        });
     }
     parts
 }
@@ -134,7 +159,11 @@ pub fn worst_amount(backend: &Backend, input_tokens: u64, output_total: u64) -> 
 }
 
 /// The largest total output that fits every hard limit of `parts` on `backend`, if any.
-pub fn max_output_that_fits(parts: &[&PartInfo], backend: &Backend, input_tokens: u64) -> Option<u64> {
+pub fn max_output_that_fits(
+    parts: &[&PartInfo],
+    backend: &Backend,
+    input_tokens: u64,
+) -> Option<u64> {
     let scaled_in = backend.scaled_input(input_tokens);
     let mut best = u64::MAX;
     for p in parts {
@@ -152,7 +181,8 @@ pub fn max_output_that_fits(parts: &[&PartInfo], backend: &Backend, input_tokens
             rem.checked_sub(in_cost)?;
             if price.output_per_1k > 0 {
                 // cost(out) = ceil((in*pin + out*pout)/1000) <= rem  ⇐  out <= (rem*1000 - in*pin)/pout
-                let budget = (rem as u128) * 1000 - (scaled_in as u128) * (price.input_per_1k as u128);
+                let budget =
+                    (rem as u128) * 1000 - (scaled_in as u128) * (price.input_per_1k as u128);
                 let out = budget / price.output_per_1k as u128;
                 best = best.min(out.min(u64::MAX as u128) as u64);
             }

@@ -15,9 +15,25 @@ pub struct Usage {
 
 impl Governor {
     /// Commits the actual usage of a served call and finishes its record.
-    pub fn settle(&self, policy: &Policy, rec: &mut Record, pending: Pending, usage: Usage, evidence: UsageEvidence) {
-        let Pending { reservation, parts, backend_index, forget_job } = pending;
-        let price = policy.backends.get(backend_index).map(|b| b.price).unwrap_or_default();
+    pub fn settle(
+        &self,
+        policy: &Policy,
+        rec: &mut Record,
+        pending: Pending,
+        usage: Usage,
+        evidence: UsageEvidence,
+    ) {
+        let Pending {
+            reservation,
+            parts,
+            backend_index,
+            forget_job,
+        } = pending;
+        let price = policy
+            .backends
+            .get(backend_index)
+            .map(|b| b.price)
+            .unwrap_or_default();
         let actual = Amount {
             tokens: usage.input_tokens + usage.output_tokens,
             requests: 1,
@@ -31,7 +47,9 @@ impl Governor {
 
         let mut soft = false;
         for (part, prev) in parts.iter().zip(before) {
-            let now = Amount::from_array(std::array::from_fn(|i| prev.as_array()[i] + actual.as_array()[i]));
+            let now = Amount::from_array(std::array::from_fn(|i| {
+                prev.as_array()[i] + actual.as_array()[i]
+            }));
             for &bi in &part.bounds {
                 let b = &policy.bounds[bi];
                 for d in Dim::ALL {

@@ -64,7 +64,11 @@ fn probe_failure_reopens_and_retry_after_extends_the_trip() {
     let c = Circuit::new();
     let k = cfg(1, 1);
     c.on_failure(0, &k, None, Some(90_000));
-    assert_eq!(c.open_until(), 90_000, "Retry-After longer than recovery holds it open");
+    assert_eq!(
+        c.open_until(),
+        90_000,
+        "Retry-After longer than recovery holds it open"
+    );
     let p = match c.admit(90_000, &k) {
         Admission::Probe(p) => p,
         other => panic!("expected probe, got {other:?}"),

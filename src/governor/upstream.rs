@@ -72,7 +72,10 @@ pub enum CallResult<T> {
     /// The backend accepted the call; `T` is the response (buffered or still streaming).
     Served(T),
     /// A client error (400/404/413/422): passed through unchanged, never retried.
-    NotRetryable { payload: T, status: u16 },
+    NotRetryable {
+        payload: T,
+        status: u16,
+    },
     Failed(Failure),
 }
 

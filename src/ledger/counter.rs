@@ -38,12 +38,16 @@ impl Counter {
 
     /// Committed actual usage.
     pub fn committed(&self) -> Amount {
-        Amount::from_array(std::array::from_fn(|i| self.committed[i].load(Ordering::Acquire)))
+        Amount::from_array(std::array::from_fn(|i| {
+            self.committed[i].load(Ordering::Acquire)
+        }))
     }
 
     /// committed + reserved.
     pub fn used(&self) -> Amount {
-        Amount::from_array(std::array::from_fn(|i| self.used[i].load(Ordering::Acquire)))
+        Amount::from_array(std::array::from_fn(|i| {
+            self.used[i].load(Ordering::Acquire)
+        }))
     }
 
     /// Reserved worst case of calls in flight.
@@ -71,7 +75,13 @@ impl Counter {
         loop {
             let next = match cur.checked_add(delta) {
                 Some(n) if n <= hard => n,
-                _ => return Err(DimRefusal { dim, used: cur, hard }),
+                _ => {
+                    return Err(DimRefusal {
+                        dim,
+                        used: cur,
+                        hard,
+                    })
+                }
             };
             match cell.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => return Ok(()),

@@ -55,6 +55,8 @@ impl JobLedger {
 }
 
 fn take(cell: &AtomicU32, max: u32) -> bool {
-    cell.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| (v < max).then_some(v + 1))
-        .is_ok()
+    cell.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+        (v < max).then_some(v + 1)
+    })
+    .is_ok()
 }

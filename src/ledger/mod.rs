@@ -62,7 +62,11 @@ impl Reservation {
     /// Commits the actual usage in place of the reserved worst case. Returns, per counter
     /// in reservation order, the committed amount just before this commit.
     pub fn commit(mut self, actual: Amount) -> Vec<Amount> {
-        let before = self.counters.iter().map(|c| c.commit(&self.amount, &actual)).collect();
+        let before = self
+            .counters
+            .iter()
+            .map(|c| c.commit(&self.amount, &actual))
+            .collect();
         self.ledger.unreserve(self.amount.tokens);
         self.settled = true;
         before
@@ -101,7 +105,9 @@ impl LedgerTotals {
     fn unreserve(&self, t: u64) {
         let _ = self
             .reserved_tokens
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| Some(v.saturating_sub(t)));
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+                Some(v.saturating_sub(t))
+            });
     }
 }
 
@@ -146,7 +152,9 @@ impl Ledger {
                 return Err(Refusal { part: i, refusal });
             }
         }
-        self.totals.reserved_tokens.fetch_add(amount.tokens, Ordering::AcqRel);
+        self.totals
+            .reserved_tokens
+            .fetch_add(amount.tokens, Ordering::AcqRel);
         Ok(Reservation {
             counters: parts.iter().map(|p| p.counter.clone()).collect(),
             amount,
@@ -174,7 +182,8 @@ impl Ledger {
 
     /// Seeds a job ledger (state loaded at start, scenario files).
     pub fn set_job(&self, id: Arc<str>, attempts: u32, fallbacks: u32, now: Millis) {
-        self.jobs.insert(id, Arc::new(JobLedger::new(attempts, fallbacks, now)));
+        self.jobs
+            .insert(id, Arc::new(JobLedger::new(attempts, fallbacks, now)));
     }
 
     /// Drops a job's ledger and its job-scoped counter (a job that was only one request).
@@ -182,7 +191,11 @@ impl Ledger {
         self.jobs.remove(id);
         // Unconditionally: a reservation still held (a concurrent request reusing the id)
         // settles into its own Arc of the counter; nothing is left behind in the map.
-        self.counters.remove(&CounterKey { scope: Scope::Job, id: id.clone(), window: None });
+        self.counters.remove(&CounterKey {
+            scope: Scope::Job,
+            id: id.clone(),
+            window: None,
+        });
     }
 
     pub fn job_count(&self) -> usize {
@@ -209,8 +222,14 @@ impl Ledger {
         let mut dead_jobs = Vec::new();
         self.jobs.retain(|id, j| {
             let keep = now.saturating_sub(j.last_seen()) <= job_ttl_ms || {
-                let key = CounterKey { scope: Scope::Job, id: id.clone(), window: None };
-                self.counters.get(&key).is_some_and(|c| c.reserved() != Amount::ZERO)
+                let key = CounterKey {
+                    scope: Scope::Job,
+                    id: id.clone(),
+                    window: None,
+                };
+                self.counters
+                    .get(&key)
+                    .is_some_and(|c| c.reserved() != Amount::ZERO)
             };
             if !keep {
                 dead_jobs.push(id.clone());
@@ -218,9 +237,15 @@ impl Ledger {
             keep
         });
         for id in dead_jobs {
-            let key = CounterKey { scope: Scope::Job, id, window: None };
-            self.counters.remove_if(&key, |_, c| c.reserved() == Amount::ZERO);
+            let key = CounterKey {
+                scope: Scope::Job,
+                id,
+                window: None,
+            };
+            self.counters
+                .remove_if(&key, |_, c| c.reserved() == Amount::ZERO);
         }
-        self.counters.retain(|_, c| c.expires_at() > now || c.reserved() != Amount::ZERO);
+        self.counters
+            .retain(|_, c| c.expires_at() > now || c.reserved() != Amount::ZERO);
     }
 }

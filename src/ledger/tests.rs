@@ -10,7 +10,11 @@ use jiff::Timestamp;
 // helpers
 
 fn amt(tokens: u64, requests: u64, usd: u64) -> Amount {
-    Amount { tokens, requests, usd }
+    Amount {
+        tokens,
+        requests,
+        usd,
+    }
 }
 
 fn unlimited() -> [Option<u64>; 3] {
@@ -18,15 +22,29 @@ fn unlimited() -> [Option<u64>; 3] {
 }
 
 fn key(scope: Scope, id: &str) -> CounterKey {
-    CounterKey { scope, id: Arc::from(id), window: None }
+    CounterKey {
+        scope,
+        id: Arc::from(id),
+        window: None,
+    }
 }
 
 fn wkey(scope: Scope, id: &str, start: i64) -> CounterKey {
-    CounterKey { scope, id: Arc::from(id), window: Some(WindowKey { window: Window::Day, start }) }
+    CounterKey {
+        scope,
+        id: Arc::from(id),
+        window: Some(WindowKey {
+            window: Window::Day,
+            start,
+        }),
+    }
 }
 
 fn part(c: &Arc<Counter>, hard: [Option<u64>; 3]) -> ReservePart {
-    ReservePart { counter: c.clone(), hard }
+    ReservePart {
+        counter: c.clone(),
+        hard,
+    }
 }
 
 fn fresh() -> Arc<Counter> {
@@ -68,13 +86,23 @@ fn reserve_holds_worst_case_and_commit_replaces_it_with_actual() {
 fn commit_less_than_reserved_gives_the_difference_back() {
     let l = Ledger::new();
     let c = fresh();
-    let r = l.reserve(&[part(&c, [Some(500), None, Some(5_000)])], amt(400, 1, 4_000)).unwrap();
+    let r = l
+        .reserve(
+            &[part(&c, [Some(500), None, Some(5_000)])],
+            amt(400, 1, 4_000),
+        )
+        .unwrap();
     r.commit(amt(1, 0, 7));
     assert_eq!(c.committed(), amt(1, 0, 7));
     assert_eq!(c.used(), amt(1, 0, 7));
     assert_eq!(c.reserved(), Amount::ZERO);
     // The difference is available again.
-    let r2 = l.reserve(&[part(&c, [Some(500), None, Some(5_000)])], amt(499, 1, 4_993)).unwrap();
+    let r2 = l
+        .reserve(
+            &[part(&c, [Some(500), None, Some(5_000)])],
+            amt(499, 1, 4_993),
+        )
+        .unwrap();
     assert_eq!(c.used(), amt(500, 1, 5_000));
     drop(r2);
     assert_eq!(c.used(), amt(1, 0, 7));
@@ -95,7 +123,17 @@ fn commit_more_than_reserved_books_the_actual_even_past_the_limit() {
     assert_eq!(l.reserved_tokens(), 0);
     // Nothing more fits.
     let e = l.reserve(&[part(&c, hard)], amt(1, 0, 0)).unwrap_err();
-    assert_eq!(e, Refusal { part: 0, refusal: DimRefusal { dim: Dim::Tokens, used: 150, hard: 120 } });
+    assert_eq!(
+        e,
+        Refusal {
+            part: 0,
+            refusal: DimRefusal {
+                dim: Dim::Tokens,
+                used: 150,
+                hard: 120
+            }
+        }
+    );
     assert_eq!(c.used(), amt(150, 2, 25));
 }
 
@@ -106,7 +144,12 @@ fn commit_reports_committed_before_for_every_counter_in_order() {
     let b = fresh();
     a.add_committed(&amt(5, 1, 50));
     b.add_committed(&amt(7, 2, 70));
-    let r = l.reserve(&[part(&a, unlimited()), part(&b, unlimited())], amt(10, 1, 100)).unwrap();
+    let r = l
+        .reserve(
+            &[part(&a, unlimited()), part(&b, unlimited())],
+            amt(10, 1, 100),
+        )
+        .unwrap();
     assert_eq!(r.commit(amt(3, 1, 30)), vec![amt(5, 1, 50), amt(7, 2, 70)]);
     assert_eq!(a.committed(), amt(8, 2, 80));
     assert_eq!(b.committed(), amt(10, 3, 100));
@@ -119,7 +162,9 @@ fn release_gives_the_whole_reservation_back() {
     let l = Ledger::new();
     let c = fresh();
     c.add_committed(&amt(3, 1, 9));
-    let r = l.reserve(&[part(&c, unlimited())], amt(100, 1, 500)).unwrap();
+    let r = l
+        .reserve(&[part(&c, unlimited())], amt(100, 1, 500))
+        .unwrap();
     assert_eq!(c.used(), amt(103, 2, 509));
     r.release();
     assert_eq!(c.used(), amt(3, 1, 9));
@@ -144,7 +189,9 @@ fn dropping_a_reservation_releases_it_on_every_exit_path() {
 
     // Early return through `?`.
     fn early(l: &Ledger, c: &Arc<Counter>) -> Result<(), &'static str> {
-        let _r = l.reserve(&[part(c, [None; 3])], amt(10, 1, 1)).map_err(|_| "refused")?;
+        let _r = l
+            .reserve(&[part(c, [None; 3])], amt(10, 1, 1))
+            .map_err(|_| "refused")?;
         Err("upstream failed")?;
         Ok(())
     }
@@ -198,7 +245,17 @@ fn refusal_on_the_third_part_leaves_nothing_reserved_anywhere() {
         part(&c, [Some(100), Some(10), Some(1_000)]),
     ];
     let e = l.reserve(&parts, amt(50, 1, 10)).unwrap_err();
-    assert_eq!(e, Refusal { part: 2, refusal: DimRefusal { dim: Dim::Tokens, used: 60, hard: 100 } });
+    assert_eq!(
+        e,
+        Refusal {
+            part: 2,
+            refusal: DimRefusal {
+                dim: Dim::Tokens,
+                used: 60,
+                hard: 100
+            }
+        }
+    );
 
     assert_eq!(a.used(), amt(1, 1, 1));
     assert_eq!(a.reserved(), Amount::ZERO);
@@ -225,10 +282,20 @@ fn refusal_on_the_first_part_reports_part_zero() {
     let a = fresh();
     let b = fresh();
     let e = l
-        .reserve(&[part(&a, [None, Some(0), None]), part(&b, unlimited())], amt(1, 1, 1))
+        .reserve(
+            &[part(&a, [None, Some(0), None]), part(&b, unlimited())],
+            amt(1, 1, 1),
+        )
         .unwrap_err();
     assert_eq!(e.part, 0);
-    assert_eq!(e.refusal, DimRefusal { dim: Dim::Requests, used: 0, hard: 0 });
+    assert_eq!(
+        e.refusal,
+        DimRefusal {
+            dim: Dim::Requests,
+            used: 0,
+            hard: 0
+        }
+    );
     assert_eq!(a.used(), Amount::ZERO);
     assert_eq!(b.used(), Amount::ZERO);
 }
@@ -240,14 +307,29 @@ fn refusal_in_a_later_dimension_rolls_back_earlier_dimensions_of_the_counter() {
     let b = fresh();
     // Tokens and requests fit on b, usd does not: b's tokens/requests must be rolled back,
     // and a (already reserved) released.
-    let parts = [part(&a, unlimited()), part(&b, [Some(100), Some(5), Some(999)])];
+    let parts = [
+        part(&a, unlimited()),
+        part(&b, [Some(100), Some(5), Some(999)]),
+    ];
     let e = l.reserve(&parts, amt(100, 5, 1_000)).unwrap_err();
-    assert_eq!(e, Refusal { part: 1, refusal: DimRefusal { dim: Dim::Usd, used: 0, hard: 999 } });
+    assert_eq!(
+        e,
+        Refusal {
+            part: 1,
+            refusal: DimRefusal {
+                dim: Dim::Usd,
+                used: 0,
+                hard: 999
+            }
+        }
+    );
     assert_eq!(a.used(), Amount::ZERO);
     assert_eq!(b.used(), Amount::ZERO);
     assert_eq!(l.reserved_tokens(), 0);
     // Direct counter API behaves the same.
-    let e = b.try_reserve(&amt(100, 6, 1), &[Some(100), Some(5), None]).unwrap_err();
+    let e = b
+        .try_reserve(&amt(100, 6, 1), &[Some(100), Some(5), None])
+        .unwrap_err();
     assert_eq!(e.dim, Dim::Requests);
     assert_eq!(b.used(), Amount::ZERO);
 }
@@ -260,7 +342,14 @@ fn token_limit_is_inclusive_and_then_refuses() {
     let r1 = l.reserve(&[part(&c, hard)], amt(60, 1, 0)).unwrap();
     let r2 = l.reserve(&[part(&c, hard)], amt(40, 1, 0)).unwrap(); // exactly at the limit
     let e = l.reserve(&[part(&c, hard)], amt(1, 1, 0)).unwrap_err();
-    assert_eq!(e.refusal, DimRefusal { dim: Dim::Tokens, used: 100, hard: 100 });
+    assert_eq!(
+        e.refusal,
+        DimRefusal {
+            dim: Dim::Tokens,
+            used: 100,
+            hard: 100
+        }
+    );
     assert_eq!(c.used(), amt(100, 2, 0));
     r1.commit(amt(30, 1, 0));
     // 30 tokens came back.
@@ -278,10 +367,23 @@ fn request_limit_counts_calls() {
     let r1 = l.reserve(&[part(&c, hard)], amt(1_000_000, 1, 0)).unwrap();
     let r2 = l.reserve(&[part(&c, hard)], amt(1_000_000, 1, 0)).unwrap();
     let e = l.reserve(&[part(&c, hard)], amt(1, 1, 0)).unwrap_err();
-    assert_eq!(e.refusal, DimRefusal { dim: Dim::Requests, used: 2, hard: 2 });
+    assert_eq!(
+        e.refusal,
+        DimRefusal {
+            dim: Dim::Requests,
+            used: 2,
+            hard: 2
+        }
+    );
     r1.commit(amt(5, 1, 0));
     // A committed request still counts.
-    assert_eq!(l.reserve(&[part(&c, hard)], amt(1, 1, 0)).unwrap_err().refusal.used, 2);
+    assert_eq!(
+        l.reserve(&[part(&c, hard)], amt(1, 1, 0))
+            .unwrap_err()
+            .refusal
+            .used,
+        2
+    );
     r2.release();
     let r3 = l.reserve(&[part(&c, hard)], amt(1, 1, 0)).unwrap();
     assert_eq!(c.used().requests, 2);
@@ -295,7 +397,14 @@ fn usd_limit_in_micro_dollars() {
     let hard = [None, None, Some(crate::units::usd_to_micros(1.0))];
     let r1 = l.reserve(&[part(&c, hard)], amt(0, 1, 999_999)).unwrap();
     let e = l.reserve(&[part(&c, hard)], amt(0, 1, 2)).unwrap_err();
-    assert_eq!(e.refusal, DimRefusal { dim: Dim::Usd, used: 999_999, hard: 1_000_000 });
+    assert_eq!(
+        e.refusal,
+        DimRefusal {
+            dim: Dim::Usd,
+            used: 999_999,
+            hard: 1_000_000
+        }
+    );
     let r2 = l.reserve(&[part(&c, hard)], amt(0, 1, 1)).unwrap();
     assert_eq!(c.used().usd, 1_000_000);
     r1.commit(amt(0, 1, 250_000));
@@ -308,7 +417,12 @@ fn usd_limit_in_micro_dollars() {
 fn no_limit_means_no_check_and_zero_amounts_are_never_refused() {
     let l = Ledger::new();
     let c = fresh();
-    let r = l.reserve(&[part(&c, unlimited())], amt(u64::MAX / 4, 1_000, u64::MAX / 4)).unwrap();
+    let r = l
+        .reserve(
+            &[part(&c, unlimited())],
+            amt(u64::MAX / 4, 1_000, u64::MAX / 4),
+        )
+        .unwrap();
     drop(r);
     assert_eq!(c.used(), Amount::ZERO);
     // Over the token limit (actual past estimate), a call costing no tokens still fits.
@@ -324,10 +438,14 @@ fn the_same_counter_twice_in_one_reservation_is_charged_twice() {
     let l = Ledger::new();
     let c = fresh();
     let hard = [Some(100), None, None];
-    let e = l.reserve(&[part(&c, hard), part(&c, hard)], amt(60, 1, 0)).unwrap_err();
+    let e = l
+        .reserve(&[part(&c, hard), part(&c, hard)], amt(60, 1, 0))
+        .unwrap_err();
     assert_eq!(e.part, 1);
     assert_eq!(c.used(), Amount::ZERO);
-    let r = l.reserve(&[part(&c, hard), part(&c, hard)], amt(50, 1, 0)).unwrap();
+    let r = l
+        .reserve(&[part(&c, hard), part(&c, hard)], amt(50, 1, 0))
+        .unwrap();
     assert_eq!(c.used(), amt(100, 2, 0));
     r.commit(amt(10, 1, 0));
     assert_eq!(c.committed(), amt(20, 2, 0));
@@ -344,7 +462,12 @@ fn reserved_tokens_total_tracks_reservations_in_flight_and_returns_to_zero() {
     let mut expect = 0;
     for i in 1..=20u64 {
         let who = if i % 2 == 0 { &a } else { &b };
-        let r = l.reserve(&[part(who, unlimited()), part(&g, unlimited())], amt(i * 10, 1, i)).unwrap();
+        let r = l
+            .reserve(
+                &[part(who, unlimited()), part(&g, unlimited())],
+                amt(i * 10, 1, i),
+            )
+            .unwrap();
         expect += i * 10;
         held.push(r);
         // The total counts each reservation once, not once per counter.
@@ -352,7 +475,9 @@ fn reserved_tokens_total_tracks_reservations_in_flight_and_returns_to_zero() {
     }
     assert_eq!(g.reserved().tokens, expect);
     // A refused reservation does not touch the total.
-    assert!(l.reserve(&[part(&g, [Some(1), None, None])], amt(5, 1, 0)).is_err());
+    assert!(l
+        .reserve(&[part(&g, [Some(1), None, None])], amt(5, 1, 0))
+        .is_err());
     assert_eq!(l.reserved_tokens(), expect);
     for (i, r) in held.into_iter().enumerate() {
         let t = r.amount().tokens;
@@ -368,7 +493,10 @@ fn reserved_tokens_total_tracks_reservations_in_flight_and_returns_to_zero() {
     for c in [&a, &b, &g] {
         assert_eq!(c.reserved(), Amount::ZERO);
     }
-    assert_eq!(g.committed(), amt(a.committed().tokens + b.committed().tokens, 7, 0));
+    assert_eq!(
+        g.committed(),
+        amt(a.committed().tokens + b.committed().tokens, 7, 0)
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -403,7 +531,13 @@ fn snapshot_lists_committed_and_reserved_per_key() {
     let _r = l.reserve(&[part(&b, unlimited())], amt(9, 1, 90)).unwrap();
     let mut snap = l.snapshot();
     snap.sort_by(|x, y| x.0.cmp(&y.0));
-    assert_eq!(snap, vec![(ka, amt(5, 1, 50), Amount::ZERO), (kb, Amount::ZERO, amt(9, 1, 90))]);
+    assert_eq!(
+        snap,
+        vec![
+            (ka, amt(5, 1, 50), Amount::ZERO),
+            (kb, Amount::ZERO, amt(9, 1, 90))
+        ]
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -496,7 +630,10 @@ fn sweep_drops_ended_windows_and_keeps_current_ones() {
     l.counter(&forever, i64::MAX);
     l.sweep(2_000, 60_000);
     assert!(l.get(&ended).is_none());
-    assert!(l.get(&ends_now).is_none(), "a window ending at `now` has ended");
+    assert!(
+        l.get(&ends_now).is_none(),
+        "a window ending at `now` has ended"
+    );
     assert!(l.get(&current).is_some());
     assert!(l.get(&forever).is_some());
     assert_eq!(l.counter_count(), 2);
@@ -509,7 +646,10 @@ fn sweep_keeps_ended_counters_that_hold_a_reservation() {
     let c = l.counter(&k, 1_000);
     let r = l.reserve(&[part(&c, unlimited())], amt(10, 1, 1)).unwrap();
     l.sweep(5_000, 60_000);
-    assert!(l.get(&k).is_some(), "a counter with a call in flight must survive the sweep");
+    assert!(
+        l.get(&k).is_some(),
+        "a counter with a call in flight must survive the sweep"
+    );
     r.commit(amt(4, 1, 1));
     assert_eq!(l.get(&k).unwrap().committed(), amt(4, 1, 1));
     l.sweep(5_000, 60_000);
@@ -523,8 +663,10 @@ fn sweep_drops_idle_jobs_with_their_counters() {
     let busy: Arc<str> = Arc::from("busy");
     l.job(&idle, 0);
     l.job(&busy, 0);
-    l.counter(&key(Scope::Job, "idle"), i64::MAX).add_committed(&amt(10, 1, 1));
-    l.counter(&key(Scope::Job, "busy"), i64::MAX).add_committed(&amt(10, 1, 1));
+    l.counter(&key(Scope::Job, "idle"), i64::MAX)
+        .add_committed(&amt(10, 1, 1));
+    l.counter(&key(Scope::Job, "busy"), i64::MAX)
+        .add_committed(&amt(10, 1, 1));
     l.job(&busy, 9_000);
     l.sweep(10_000, 5_000);
     assert_eq!(l.job_count(), 1);
@@ -568,13 +710,17 @@ fn forget_job_drops_the_job_and_its_idle_counter() {
     l.forget_job(&id);
     assert_eq!(l.job_count(), 0);
     assert!(l.get(&k).is_none());
-    // A counter still holding a reservation is not dropped under the call.
+    // A reservation still held (a concurrent request reusing the id) keeps its own Arc of the
+    // counter: the map entry goes at once, nothing is left behind, and the guard still settles.
     l.job(&id, 0);
     let c = l.counter(&k, i64::MAX);
     let r = l.reserve(&[part(&c, unlimited())], amt(10, 1, 1)).unwrap();
     l.forget_job(&id);
-    assert!(l.get(&k).is_some());
+    assert!(l.get(&k).is_none());
+    assert_eq!(l.reserved_tokens(), 10);
     drop(r);
+    assert_eq!(l.reserved_tokens(), 0);
+    assert_eq!(c.reserved(), Amount::ZERO);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -598,7 +744,14 @@ fn secs(s: &str) -> i64 {
 fn check(zone: &TimeZone, w: Window, now: &str, start: &str, end: &str) {
     let now = ms(now);
     let k = window_at(zone, w, now);
-    assert_eq!(k, WindowKey { window: w, start: secs(start) }, "start of {w} at {now}");
+    assert_eq!(
+        k,
+        WindowKey {
+            window: w,
+            start: secs(start)
+        },
+        "start of {w} at {now}"
+    );
     assert_eq!(window_end(zone, k), ms(end), "end of {w} at {now}");
     let set = WindowSet::at(zone, now);
     assert_eq!(set.key(w), k);
@@ -609,31 +762,127 @@ fn check(zone: &TimeZone, w: Window, now: &str, start: &str, end: &str) {
 fn utc_windows() {
     let z = TimeZone::UTC;
     let now = "2024-02-29T13:45:30.250Z";
-    check(&z, Window::Minute, now, "2024-02-29T13:45:00Z", "2024-02-29T13:46:00Z");
-    check(&z, Window::Hour, now, "2024-02-29T13:00:00Z", "2024-02-29T14:00:00Z");
-    check(&z, Window::Day, now, "2024-02-29T00:00:00Z", "2024-03-01T00:00:00Z");
-    check(&z, Window::Month, now, "2024-02-01T00:00:00Z", "2024-03-01T00:00:00Z");
+    check(
+        &z,
+        Window::Minute,
+        now,
+        "2024-02-29T13:45:00Z",
+        "2024-02-29T13:46:00Z",
+    );
+    check(
+        &z,
+        Window::Hour,
+        now,
+        "2024-02-29T13:00:00Z",
+        "2024-02-29T14:00:00Z",
+    );
+    check(
+        &z,
+        Window::Day,
+        now,
+        "2024-02-29T00:00:00Z",
+        "2024-03-01T00:00:00Z",
+    );
+    check(
+        &z,
+        Window::Month,
+        now,
+        "2024-02-01T00:00:00Z",
+        "2024-03-01T00:00:00Z",
+    );
     // Year rollover.
-    check(&z, Window::Month, "2024-12-31T23:59:59.999Z", "2024-12-01T00:00:00Z", "2025-01-01T00:00:00Z");
-    check(&z, Window::Day, "2024-12-31T23:59:59.999Z", "2024-12-31T00:00:00Z", "2025-01-01T00:00:00Z");
+    check(
+        &z,
+        Window::Month,
+        "2024-12-31T23:59:59.999Z",
+        "2024-12-01T00:00:00Z",
+        "2025-01-01T00:00:00Z",
+    );
+    check(
+        &z,
+        Window::Day,
+        "2024-12-31T23:59:59.999Z",
+        "2024-12-31T00:00:00Z",
+        "2025-01-01T00:00:00Z",
+    );
     // A boundary instant belongs to the window it starts.
-    check(&z, Window::Hour, "2024-03-01T00:00:00Z", "2024-03-01T00:00:00Z", "2024-03-01T01:00:00Z");
-    check(&z, Window::Month, "2024-03-01T00:00:00Z", "2024-03-01T00:00:00Z", "2024-04-01T00:00:00Z");
-    check(&z, Window::Minute, "2024-03-01T00:00:59.999Z", "2024-03-01T00:00:00Z", "2024-03-01T00:01:00Z");
+    check(
+        &z,
+        Window::Hour,
+        "2024-03-01T00:00:00Z",
+        "2024-03-01T00:00:00Z",
+        "2024-03-01T01:00:00Z",
+    );
+    check(
+        &z,
+        Window::Month,
+        "2024-03-01T00:00:00Z",
+        "2024-03-01T00:00:00Z",
+        "2024-04-01T00:00:00Z",
+    );
+    check(
+        &z,
+        Window::Minute,
+        "2024-03-01T00:00:59.999Z",
+        "2024-03-01T00:00:00Z",
+        "2024-03-01T00:01:00Z",
+    );
     // Before the epoch too.
-    check(&z, Window::Minute, "1969-12-31T23:59:30.5Z", "1969-12-31T23:59:00Z", "1970-01-01T00:00:00Z");
+    check(
+        &z,
+        Window::Minute,
+        "1969-12-31T23:59:30.5Z",
+        "1969-12-31T23:59:00Z",
+        "1970-01-01T00:00:00Z",
+    );
 }
 
 #[test]
 fn taipei_day_turns_over_at_1600_utc() {
     let z = tz("Asia/Taipei"); // UTC+8, no DST
-    check(&z, Window::Day, "2024-05-10T15:59:59Z", "2024-05-09T16:00:00Z", "2024-05-10T16:00:00Z");
-    check(&z, Window::Day, "2024-05-10T16:00:00Z", "2024-05-10T16:00:00Z", "2024-05-11T16:00:00Z");
-    check(&z, Window::Hour, "2024-05-10T16:30:00Z", "2024-05-10T16:00:00Z", "2024-05-10T17:00:00Z");
-    check(&z, Window::Minute, "2024-05-10T16:30:10Z", "2024-05-10T16:30:00Z", "2024-05-10T16:31:00Z");
+    check(
+        &z,
+        Window::Day,
+        "2024-05-10T15:59:59Z",
+        "2024-05-09T16:00:00Z",
+        "2024-05-10T16:00:00Z",
+    );
+    check(
+        &z,
+        Window::Day,
+        "2024-05-10T16:00:00Z",
+        "2024-05-10T16:00:00Z",
+        "2024-05-11T16:00:00Z",
+    );
+    check(
+        &z,
+        Window::Hour,
+        "2024-05-10T16:30:00Z",
+        "2024-05-10T16:00:00Z",
+        "2024-05-10T17:00:00Z",
+    );
+    check(
+        &z,
+        Window::Minute,
+        "2024-05-10T16:30:10Z",
+        "2024-05-10T16:30:00Z",
+        "2024-05-10T16:31:00Z",
+    );
     // The month turns over at local midnight of the 1st: 16:00 UTC on the last day.
-    check(&z, Window::Month, "2024-05-31T16:00:00Z", "2024-05-31T16:00:00Z", "2024-06-30T16:00:00Z");
-    check(&z, Window::Month, "2024-05-31T15:59:59Z", "2024-04-30T16:00:00Z", "2024-05-31T16:00:00Z");
+    check(
+        &z,
+        Window::Month,
+        "2024-05-31T16:00:00Z",
+        "2024-05-31T16:00:00Z",
+        "2024-06-30T16:00:00Z",
+    );
+    check(
+        &z,
+        Window::Month,
+        "2024-05-31T15:59:59Z",
+        "2024-04-30T16:00:00Z",
+        "2024-05-31T16:00:00Z",
+    );
     // A day key differs from the UTC day key on either side of 16:00 UTC.
     assert_ne!(
         window_at(&z, Window::Day, ms("2024-05-10T15:00:00Z")),
@@ -649,16 +898,58 @@ fn taipei_day_turns_over_at_1600_utc() {
 fn new_york_month_ends_at_local_midnight_in_either_offset() {
     let z = tz("America/New_York");
     // January (EST, -5) ends 2024-02-01 05:00 UTC.
-    check(&z, Window::Month, "2024-01-31T23:00:00Z", "2024-01-01T05:00:00Z", "2024-02-01T05:00:00Z");
-    check(&z, Window::Month, "2024-02-01T04:59:59Z", "2024-01-01T05:00:00Z", "2024-02-01T05:00:00Z");
-    check(&z, Window::Month, "2024-02-01T05:00:00Z", "2024-02-01T05:00:00Z", "2024-03-01T05:00:00Z");
+    check(
+        &z,
+        Window::Month,
+        "2024-01-31T23:00:00Z",
+        "2024-01-01T05:00:00Z",
+        "2024-02-01T05:00:00Z",
+    );
+    check(
+        &z,
+        Window::Month,
+        "2024-02-01T04:59:59Z",
+        "2024-01-01T05:00:00Z",
+        "2024-02-01T05:00:00Z",
+    );
+    check(
+        &z,
+        Window::Month,
+        "2024-02-01T05:00:00Z",
+        "2024-02-01T05:00:00Z",
+        "2024-03-01T05:00:00Z",
+    );
     // March starts in EST and ends in EDT (-4): 31 days minus an hour.
-    check(&z, Window::Month, "2024-03-15T12:00:00Z", "2024-03-01T05:00:00Z", "2024-04-01T04:00:00Z");
+    check(
+        &z,
+        Window::Month,
+        "2024-03-15T12:00:00Z",
+        "2024-03-01T05:00:00Z",
+        "2024-04-01T04:00:00Z",
+    );
     // November starts in EDT and ends in EST: 30 days plus an hour.
-    check(&z, Window::Month, "2024-11-15T12:00:00Z", "2024-11-01T04:00:00Z", "2024-12-01T05:00:00Z");
+    check(
+        &z,
+        Window::Month,
+        "2024-11-15T12:00:00Z",
+        "2024-11-01T04:00:00Z",
+        "2024-12-01T05:00:00Z",
+    );
     // December ends at the new year's local midnight.
-    check(&z, Window::Month, "2024-12-31T23:00:00Z", "2024-12-01T05:00:00Z", "2025-01-01T05:00:00Z");
-    check(&z, Window::Day, "2024-07-04T03:59:59Z", "2024-07-03T04:00:00Z", "2024-07-04T04:00:00Z");
+    check(
+        &z,
+        Window::Month,
+        "2024-12-31T23:00:00Z",
+        "2024-12-01T05:00:00Z",
+        "2025-01-01T05:00:00Z",
+    );
+    check(
+        &z,
+        Window::Day,
+        "2024-07-04T03:59:59Z",
+        "2024-07-03T04:00:00Z",
+        "2024-07-04T04:00:00Z",
+    );
 }
 
 #[test]
@@ -683,11 +974,35 @@ fn berlin_dst_days_are_23_and_25_hours_long() {
 fn berlin_hours_around_the_spring_gap() {
     let z = tz("Europe/Berlin");
     // 01:xx CET is 00:xx UTC and ends at the gap (02:00 CET == 03:00 CEST == 01:00Z).
-    check(&z, Window::Hour, "2024-03-31T00:30:00Z", "2024-03-31T00:00:00Z", "2024-03-31T01:00:00Z");
+    check(
+        &z,
+        Window::Hour,
+        "2024-03-31T00:30:00Z",
+        "2024-03-31T00:00:00Z",
+        "2024-03-31T01:00:00Z",
+    );
     // 03:xx CEST starts right after the gap.
-    check(&z, Window::Hour, "2024-03-31T01:00:00Z", "2024-03-31T01:00:00Z", "2024-03-31T02:00:00Z");
-    check(&z, Window::Minute, "2024-03-31T00:59:30Z", "2024-03-31T00:59:00Z", "2024-03-31T01:00:00Z");
-    check(&z, Window::Minute, "2024-03-31T01:00:30Z", "2024-03-31T01:00:00Z", "2024-03-31T01:01:00Z");
+    check(
+        &z,
+        Window::Hour,
+        "2024-03-31T01:00:00Z",
+        "2024-03-31T01:00:00Z",
+        "2024-03-31T02:00:00Z",
+    );
+    check(
+        &z,
+        Window::Minute,
+        "2024-03-31T00:59:30Z",
+        "2024-03-31T00:59:00Z",
+        "2024-03-31T01:00:00Z",
+    );
+    check(
+        &z,
+        Window::Minute,
+        "2024-03-31T01:00:30Z",
+        "2024-03-31T01:00:00Z",
+        "2024-03-31T01:01:00Z",
+    );
 }
 
 #[test]
@@ -695,30 +1010,96 @@ fn new_york_fold_minutes_are_distinct_windows_that_contain_now() {
     // 2024-11-03: 01:59:59 EDT -> 01:00:00 EST; local 01:xx happens twice.
     let z = tz("America/New_York");
     // First pass (EDT, -4).
-    check(&z, Window::Minute, "2024-11-03T05:30:10Z", "2024-11-03T05:30:00Z", "2024-11-03T05:31:00Z");
+    check(
+        &z,
+        Window::Minute,
+        "2024-11-03T05:30:10Z",
+        "2024-11-03T05:30:00Z",
+        "2024-11-03T05:31:00Z",
+    );
     // Its last minute ends at the transition, not at the next civil 02:00.
-    check(&z, Window::Minute, "2024-11-03T05:59:10Z", "2024-11-03T05:59:00Z", "2024-11-03T06:00:00Z");
+    check(
+        &z,
+        Window::Minute,
+        "2024-11-03T05:59:10Z",
+        "2024-11-03T05:59:00Z",
+        "2024-11-03T06:00:00Z",
+    );
     // Second pass (EST, -5): the same civil minute is a new window, an hour later.
-    check(&z, Window::Minute, "2024-11-03T06:30:10Z", "2024-11-03T06:30:00Z", "2024-11-03T06:31:00Z");
-    check(&z, Window::Minute, "2024-11-03T06:00:00Z", "2024-11-03T06:00:00Z", "2024-11-03T06:01:00Z");
+    check(
+        &z,
+        Window::Minute,
+        "2024-11-03T06:30:10Z",
+        "2024-11-03T06:30:00Z",
+        "2024-11-03T06:31:00Z",
+    );
+    check(
+        &z,
+        Window::Minute,
+        "2024-11-03T06:00:00Z",
+        "2024-11-03T06:00:00Z",
+        "2024-11-03T06:01:00Z",
+    );
     // The civil hour 01:00 spans both passes: one window of two hours.
-    check(&z, Window::Hour, "2024-11-03T05:10:00Z", "2024-11-03T05:00:00Z", "2024-11-03T07:00:00Z");
-    check(&z, Window::Hour, "2024-11-03T06:50:00Z", "2024-11-03T05:00:00Z", "2024-11-03T07:00:00Z");
+    check(
+        &z,
+        Window::Hour,
+        "2024-11-03T05:10:00Z",
+        "2024-11-03T05:00:00Z",
+        "2024-11-03T07:00:00Z",
+    );
+    check(
+        &z,
+        Window::Hour,
+        "2024-11-03T06:50:00Z",
+        "2024-11-03T05:00:00Z",
+        "2024-11-03T07:00:00Z",
+    );
     // The day is 25 hours.
-    check(&z, Window::Day, "2024-11-03T12:00:00Z", "2024-11-03T04:00:00Z", "2024-11-04T05:00:00Z");
+    check(
+        &z,
+        Window::Day,
+        "2024-11-03T12:00:00Z",
+        "2024-11-03T04:00:00Z",
+        "2024-11-04T05:00:00Z",
+    );
 }
 
 #[test]
 fn half_hour_zones_and_odd_transitions() {
     // India: +05:30 all year, hours turn over at :30 UTC.
     let z = tz("Asia/Kolkata");
-    check(&z, Window::Hour, "2024-01-01T10:29:59Z", "2024-01-01T09:30:00Z", "2024-01-01T10:30:00Z");
-    check(&z, Window::Day, "2024-01-01T18:29:59Z", "2023-12-31T18:30:00Z", "2024-01-01T18:30:00Z");
+    check(
+        &z,
+        Window::Hour,
+        "2024-01-01T10:29:59Z",
+        "2024-01-01T09:30:00Z",
+        "2024-01-01T10:30:00Z",
+    );
+    check(
+        &z,
+        Window::Day,
+        "2024-01-01T18:29:59Z",
+        "2023-12-31T18:30:00Z",
+        "2024-01-01T18:30:00Z",
+    );
     // Lord Howe: +10:30 <-> +11, a half-hour DST. On 2024-10-06 02:00 +10:30 -> 02:30 +11
     // (15:30Z); the civil hour 02:xx starts right after the gap and ends at 03:00 +11.
     let z = tz("Australia/Lord_Howe");
-    check(&z, Window::Hour, "2024-10-05T15:45:00Z", "2024-10-05T15:30:00Z", "2024-10-05T16:00:00Z");
-    check(&z, Window::Hour, "2024-10-05T15:10:00Z", "2024-10-05T14:30:00Z", "2024-10-05T15:30:00Z");
+    check(
+        &z,
+        Window::Hour,
+        "2024-10-05T15:45:00Z",
+        "2024-10-05T15:30:00Z",
+        "2024-10-05T16:00:00Z",
+    );
+    check(
+        &z,
+        Window::Hour,
+        "2024-10-05T15:10:00Z",
+        "2024-10-05T14:30:00Z",
+        "2024-10-05T15:30:00Z",
+    );
     // Samoa skipped 2011-12-30 entirely: the 29th is followed by the 31st.
     let z = tz("Pacific/Apia");
     let k = window_at(&z, Window::Day, ms("2011-12-30T09:00:00Z")); // 23:00 on the 29th (-10)
@@ -757,13 +1138,28 @@ fn windows_tile_time_across_dst_transitions() {
             for w in [Window::Minute, Window::Hour, Window::Day, Window::Month] {
                 let k = window_at(&z, w, t);
                 let end = window_end(&z, k);
-                assert!(k.start * 1000 <= t && t < end, "{name} {w} at {t}: {k:?} .. {end}");
+                assert!(
+                    k.start * 1000 <= t && t < end,
+                    "{name} {w} at {t}: {k:?} .. {end}"
+                );
                 assert_eq!(set.key(w), k, "{name} {w} at {t}");
                 assert_eq!(set.end(w), end, "{name} {w} at {t}");
                 let next = window_at(&z, w, end);
-                assert_eq!(next.start * 1000, end, "{name} {w}: next window starts at the end");
-                assert_eq!(window_at(&z, w, end - 1), k, "{name} {w}: last ms is still inside");
-                assert_eq!(window_at(&z, w, k.start * 1000), k, "{name} {w}: first ms is inside");
+                assert_eq!(
+                    next.start * 1000,
+                    end,
+                    "{name} {w}: next window starts at the end"
+                );
+                assert_eq!(
+                    window_at(&z, w, end - 1),
+                    k,
+                    "{name} {w}: last ms is still inside"
+                );
+                assert_eq!(
+                    window_at(&z, w, k.start * 1000),
+                    k,
+                    "{name} {w}: first ms is inside"
+                );
                 let len = end - k.start * 1000;
                 let (lo, hi) = match w {
                     Window::Minute => (1, 60_000),
@@ -789,10 +1185,16 @@ fn windows_tile_time_around_transitions_in_every_zone() {
     for name in &names {
         let z = tz(name);
         let mut instants = Vec::new();
-        for from in ["1900-01-01T00:00:00Z", "1975-01-01T00:00:00Z", "2024-01-01T00:00:00Z"] {
+        for from in [
+            "1900-01-01T00:00:00Z",
+            "1975-01-01T00:00:00Z",
+            "2024-01-01T00:00:00Z",
+        ] {
             for t in z.following(from.parse().unwrap()).take(2) {
                 let t = t.timestamp().as_millisecond();
-                for d in [-3_600_000, -60_000, -1_000, -1, 0, 1, 59_999, 1_800_000, 5_400_000] {
+                for d in [
+                    -3_600_000, -60_000, -1_000, -1, 0, 1, 59_999, 1_800_000, 5_400_000,
+                ] {
                     instants.push(t + d);
                 }
             }
@@ -802,11 +1204,26 @@ fn windows_tile_time_around_transitions_in_every_zone() {
             for w in [Window::Minute, Window::Hour, Window::Day, Window::Month] {
                 let k = window_at(&z, w, t);
                 let end = window_end(&z, k);
-                assert!(k.start * 1000 <= t && t < end, "{name} {w} at {t}: {k:?} .. {end}");
+                assert!(
+                    k.start * 1000 <= t && t < end,
+                    "{name} {w} at {t}: {k:?} .. {end}"
+                );
                 assert_eq!((set.key(w), set.end(w)), (k, end), "{name} {w} at {t}");
-                assert_eq!(window_at(&z, w, end).start * 1000, end, "{name} {w} at {t}: next starts at end");
-                assert_eq!(window_at(&z, w, end - 1), k, "{name} {w} at {t}: last ms inside");
-                assert_eq!(window_at(&z, w, k.start * 1000), k, "{name} {w} at {t}: first ms inside");
+                assert_eq!(
+                    window_at(&z, w, end).start * 1000,
+                    end,
+                    "{name} {w} at {t}: next starts at end"
+                );
+                assert_eq!(
+                    window_at(&z, w, end - 1),
+                    k,
+                    "{name} {w} at {t}: last ms inside"
+                );
+                assert_eq!(
+                    window_at(&z, w, k.start * 1000),
+                    k,
+                    "{name} {w} at {t}: first ms inside"
+                );
                 checked += 1;
             }
         }

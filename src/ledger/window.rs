@@ -39,12 +39,19 @@ fn step(dt: DateTime, w: Window) -> DateTime {
 }
 
 fn ts(secs: i64) -> Timestamp {
-    Timestamp::from_second(secs).unwrap_or(if secs < 0 { Timestamp::MIN } else { Timestamp::MAX })
+    Timestamp::from_second(secs).unwrap_or(if secs < 0 {
+        Timestamp::MIN
+    } else {
+        Timestamp::MAX
+    })
 }
 
 /// Seconds since the epoch as read on a UTC clock showing `dt` ("local seconds").
 fn local_secs(dt: DateTime) -> i64 {
-    Offset::UTC.to_timestamp(dt).map(|t| t.as_second()).unwrap_or(0)
+    Offset::UTC
+        .to_timestamp(dt)
+        .map(|t| t.as_second())
+        .unwrap_or(0)
 }
 
 fn offset_at(tz: &TimeZone, secs: i64) -> i64 {
@@ -52,17 +59,24 @@ fn offset_at(tz: &TimeZone, secs: i64) -> i64 {
 }
 
 fn floor_at(tz: &TimeZone, w: Window, secs: i64) -> DateTime {
-    floor(Offset::UTC.to_datetime(ts(secs.saturating_add(offset_at(tz, secs)))), w)
+    floor(
+        Offset::UTC.to_datetime(ts(secs.saturating_add(offset_at(tz, secs)))),
+        w,
+    )
 }
 
 /// Latest transition at or before `secs`.
 fn prev_transition(tz: &TimeZone, secs: i64) -> Option<i64> {
-    tz.preceding(ts(secs.saturating_add(1))).next().map(|t| t.timestamp().as_second())
+    tz.preceding(ts(secs.saturating_add(1)))
+        .next()
+        .map(|t| t.timestamp().as_second())
 }
 
 /// First transition strictly after `secs`.
 fn next_transition(tz: &TimeZone, secs: i64) -> Option<i64> {
-    tz.following(ts(secs)).next().map(|t| t.timestamp().as_second())
+    tz.following(ts(secs))
+        .next()
+        .map(|t| t.timestamp().as_second())
 }
 
 /// Bound on offset transitions looked at around one window (a handful at most in practice).
@@ -82,11 +96,19 @@ struct Here {
 
 impl Here {
     fn at(tz: &TimeZone, secs: i64) -> Self {
-        Here { secs, off: offset_at(tz, secs), prev: prev_transition(tz, secs), next: next_transition(tz, secs) }
+        Here {
+            secs,
+            off: offset_at(tz, secs),
+            prev: prev_transition(tz, secs),
+            next: next_transition(tz, secs),
+        }
     }
 
     fn floor(&self, w: Window) -> DateTime {
-        floor(Offset::UTC.to_datetime(ts(self.secs.saturating_add(self.off))), w)
+        floor(
+            Offset::UTC.to_datetime(ts(self.secs.saturating_add(self.off))),
+            w,
+        )
     }
 }
 
@@ -167,7 +189,10 @@ impl WindowSet {
         let ws = [Window::Minute, Window::Hour, Window::Day, Window::Month];
         let h = Here::at(tz, now.div_euclid(1000));
         let both = ws.map(|w| resolve(tz, w, h));
-        WindowSet { keys: both.map(|b| b.0), ends: both.map(|b| b.1) }
+        WindowSet {
+            keys: both.map(|b| b.0),
+            ends: both.map(|b| b.1),
+        }
     }
 
     fn idx(w: Window) -> usize {

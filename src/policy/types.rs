@@ -167,7 +167,8 @@ impl Backend {
 
     /// Worst-case cost of a call on this backend, in micro-dollars.
     pub fn worst_cost(&self, input_tokens: u64, max_output_tokens: u64) -> Micros {
-        self.price.cost(self.scaled_input(input_tokens), max_output_tokens)
+        self.price
+            .cost(self.scaled_input(input_tokens), max_output_tokens)
     }
 }
 

@@ -10,7 +10,10 @@ use std::sync::Arc;
 fn text(status: StatusCode, body: &'static str) -> Response<Body> {
     let mut r = Response::new(full(body));
     *r.status_mut() = status;
-    r.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+    r.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain"),
+    );
     r
 }
 

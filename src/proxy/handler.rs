@@ -8,8 +8,10 @@ use super::stream;
 use super::transport::{Call, Transport, UpBody, UpstreamResponse};
 use crate::audit::{Audit, Entry};
 use crate::estimate::{self, Endpoint, Estimate};
+use crate::governor::{
+    Governor, Outcome, ReasonClass, Record, RequestCtx, Served, SystemClock, Usage, UsageEvidence,
+};
 use crate::stream::StreamUsage;
-use crate::governor::{Governor, Outcome, ReasonClass, Record, RequestCtx, Served, SystemClock, Usage, UsageEvidence};
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode};
@@ -33,7 +35,9 @@ pub struct App {
 
 impl std::fmt::Debug for App {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("App").field("version", &self.snap.load().policy.version).finish()
+        f.debug_struct("App")
+            .field("version", &self.snap.load().policy.version)
+            .finish()
     }
 }
 
@@ -55,7 +59,10 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Bo
         (&Method::POST, "/v1/embeddings") => Endpoint::Embeddings,
         (&Method::GET, "/v1/models") => {
             let mut r = Response::new(full(snap.models_body.clone()));
-            r.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            r.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
             return Ok(r);
         }
         (_, p @ ("/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" | "/v1/models")) => {
@@ -64,7 +71,11 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Bo
         }
         (_, p) => {
             let rec = bare_record(&snap, p);
-            return Ok(respond::refusal(&Refusal::NotFound(p.to_string()), &rec, &snap));
+            return Ok(respond::refusal(
+                &Refusal::NotFound(p.to_string()),
+                &rec,
+                &snap,
+            ));
         }
     };
     Ok(governed(&app, snap, endpoint, req, t0).await)
@@ -72,11 +83,23 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Bo
 
 fn bare_record(snap: &Snapshot, route: &str) -> Record {
     let id = super::identity::new_request_id();
-    Record::new(snap.policy.version.clone(), id.clone(), id, Arc::from("none"), Arc::from(route))
-        .refused_early(ReasonClass::BadRequest, 404, "not governed".into())
+    Record::new(
+        snap.policy.version.clone(),
+        id.clone(),
+        id,
+        Arc::from("none"),
+        Arc::from(route),
+    )
+    .refused_early(ReasonClass::BadRequest, 404, "not governed".into())
 }
 
-async fn governed(app: &App, snap: Arc<Snapshot>, endpoint: Endpoint, req: Request<Incoming>, t0: Instant) -> Response<Body> {
+async fn governed(
+    app: &App,
+    snap: Arc<Snapshot>,
+    endpoint: Endpoint,
+    req: Request<Incoming>,
+    t0: Instant,
+) -> Response<Body> {
     let (parts, body) = req.into_parts();
     let policy = &snap.policy;
 
@@ -92,35 +115,65 @@ async fn governed(app: &App, snap: Arc<Snapshot>, endpoint: Endpoint, req: Reque
                 IdentityError::BadHeader(h) => (
                     ReasonClass::BadRequest,
                     Refusal::BadRequest {
-                        message: format!("the {h} is not a valid id (1-128 of A-Z a-z 0-9 - _ . : @ /)"),
+                        message: format!(
+                            "the {h} is not a valid id (1-128 of A-Z a-z 0-9 - _ . : @ /)"
+                        ),
                         param: None,
                         code: "invalid_header",
                     },
                 ),
             };
-            let rec = Record::new(policy.version.clone(), rid.clone(), rid, Arc::from("none"), Arc::from(""));
+            let rec = Record::new(
+                policy.version.clone(),
+                rid.clone(),
+                rid,
+                Arc::from("none"),
+                Arc::from(""),
+            );
             return early(app, &snap, endpoint, refusal, rec, reason, t0).await;
         }
     };
-    let mut rec = Record::new(policy.version.clone(), who.request_id.clone(), who.job_id.clone(), who.consumer.clone(), Arc::from(""));
+    let mut rec = Record::new(
+        policy.version.clone(),
+        who.request_id.clone(),
+        who.job_id.clone(),
+        who.consumer.clone(),
+        Arc::from(""),
+    );
 
     // Read the body, bounded.
     let limit = policy.server.max_body_bytes;
     let bytes = match read_body(body, limit as usize).await {
         Ok(b) => b,
         Err(BodyError::TooLarge) => {
-            return early(app, &snap, endpoint, Refusal::TooLarge { limit }, rec, ReasonClass::BadRequest, t0).await;
+            return early(
+                app,
+                &snap,
+                endpoint,
+                Refusal::TooLarge { limit },
+                rec,
+                ReasonClass::BadRequest,
+                t0,
+            )
+            .await;
         }
         Err(BodyError::Timeout) => {
             let r = Refusal::BadRequest {
-                message: format!("the request body was not received within {} s", BODY_READ_TIMEOUT.as_secs()),
+                message: format!(
+                    "the request body was not received within {} s",
+                    BODY_READ_TIMEOUT.as_secs()
+                ),
                 param: None,
                 code: "body_timeout",
             };
             return early(app, &snap, endpoint, r, rec, ReasonClass::BadRequest, t0).await;
         }
         Err(BodyError::Broken(e)) => {
-            let r = Refusal::BadRequest { message: format!("cannot read the request body: {e}"), param: None, code: "bad_body" };
+            let r = Refusal::BadRequest {
+                message: format!("cannot read the request body: {e}"),
+                param: None,
+                code: "bad_body",
+            };
             return early(app, &snap, endpoint, r, rec, ReasonClass::BadRequest, t0).await;
         }
     };
@@ -137,10 +190,15 @@ async fn governed(app: &App, snap: Arc<Snapshot>, endpoint: Endpoint, req: Reque
             return early(app, &snap, endpoint, r, rec, ReasonClass::BadRequest, t0).await;
         }
     };
-    let est: Estimate = match estimate::estimate_object(endpoint, &body, policy.estimate.tokenizer) {
+    let est: Estimate = match estimate::estimate_object(endpoint, &body, policy.estimate.tokenizer)
+    {
         Ok(e) => e,
         Err(e) => {
-            let r = Refusal::BadRequest { message: e.to_string(), param: e.param().map(str::to_string), code: e.code() };
+            let r = Refusal::BadRequest {
+                message: e.to_string(),
+                param: e.param().map(str::to_string),
+                code: e.code(),
+            };
             return early(app, &snap, endpoint, r, rec, ReasonClass::BadRequest, t0).await;
         }
     };
@@ -148,7 +206,16 @@ async fn governed(app: &App, snap: Arc<Snapshot>, endpoint: Endpoint, req: Reque
     // Route.
     let Some(route) = policy.route(&est.model) else {
         rec.route = Arc::from(est.model.as_str());
-        return early(app, &snap, endpoint, Refusal::UnknownModel(est.model.clone()), rec, ReasonClass::BadRequest, t0).await;
+        return early(
+            app,
+            &snap,
+            endpoint,
+            Refusal::UnknownModel(est.model.clone()),
+            rec,
+            ReasonClass::BadRequest,
+            t0,
+        )
+        .await;
     };
 
     // Govern: gates, reservation, attempts.
@@ -170,16 +237,25 @@ async fn governed(app: &App, snap: Arc<Snapshot>, endpoint: Endpoint, req: Reque
         stream: est.stream,
         add_include_usage: est.stream && !est.include_usage && endpoint != Endpoint::Embeddings,
     };
-    let Outcome { record, served } = app.governor.govern(policy, route, &ctx, &call, &SystemClock).await;
+    let Outcome { record, served } = app
+        .governor
+        .govern(policy, route, &ctx, &call, &SystemClock)
+        .await;
     let mut rec = record;
 
     match served {
         Served::Upstream { payload, pending } => {
-            let UpstreamResponse { status, headers, body, deadline } = payload;
+            let UpstreamResponse {
+                status,
+                headers,
+                body,
+                deadline,
+            } = payload;
             match body {
                 UpBody::Buffered(b) => {
                     let (usage, evidence) = buffered_usage(&b, &est, policy.estimate.tokenizer);
-                    app.governor.settle(policy, &mut rec, pending, usage, evidence);
+                    app.governor
+                        .settle(policy, &mut rec, pending, usage, evidence);
                     let resp = upstream_response(status, &headers, full(b), &rec, &snap);
                     finish(app, endpoint, rec, t0).await;
                     resp
@@ -193,7 +269,8 @@ async fn governed(app: &App, snap: Arc<Snapshot>, endpoint: Endpoint, req: Reque
                         pending,
                         record: rec.clone(),
                         input_tokens: est.input_tokens,
-                        max_output_total: rec.upstream_max_tokens.unwrap_or(0) * u64::from(est.n.max(1)),
+                        max_output_total: rec.upstream_max_tokens.unwrap_or(0)
+                            * u64::from(est.n.max(1)),
                         hide_usage: call.add_include_usage,
                         started: t0,
                     };
@@ -212,7 +289,8 @@ async fn governed(app: &App, snap: Arc<Snapshot>, endpoint: Endpoint, req: Reque
             resp
         }
         Served::Static(text) => {
-            let resp = respond::static_answer(&text, endpoint, est.stream, est.include_usage, &rec, &snap);
+            let resp =
+                respond::static_answer(&text, endpoint, est.stream, est.include_usage, &rec, &snap);
             finish(app, endpoint, rec, t0).await;
             resp
         }
@@ -252,7 +330,9 @@ async fn read_body(mut body: Incoming, limit: usize) -> Result<Bytes, BodyError>
             Ok(Some(Err(e))) => return Err(BodyError::Broken(e)),
             Ok(Some(Ok(f))) => f,
         };
-        let Ok(data) = frame.into_data() else { continue };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
         seen = seen.saturating_add(data.len());
         if seen <= limit {
             buf.extend_from_slice(&data);
@@ -284,7 +364,13 @@ async fn early(
     resp
 }
 
-fn upstream_response(status: StatusCode, headers: &http::HeaderMap, body: Body, rec: &Record, snap: &Snapshot) -> Response<Body> {
+fn upstream_response(
+    status: StatusCode,
+    headers: &http::HeaderMap,
+    body: Body,
+    rec: &Record,
+    snap: &Snapshot,
+) -> Response<Body> {
     let mut resp = Response::new(body);
     *resp.status_mut() = status;
     let h = resp.headers_mut();
@@ -333,7 +419,11 @@ struct Message {
 }
 
 /// Usage of a buffered answer: the provider's, else the sidecar's own count.
-fn buffered_usage(b: &Bytes, est: &Estimate, tok: crate::policy::Tokenizer) -> (Usage, UsageEvidence) {
+fn buffered_usage(
+    b: &Bytes,
+    est: &Estimate,
+    tok: crate::policy::Tokenizer,
+) -> (Usage, UsageEvidence) {
     if let Ok(UsageOnly { usage: Some(u) }) = serde_json::from_slice::<UsageOnly>(b) {
         if let Some(u) = u.to_usage() {
             return (u, UsageEvidence::Actual);
@@ -352,6 +442,11 @@ fn buffered_usage(b: &Bytes, est: &Estimate, tok: crate::policy::Tokenizer) -> (
             }
         }
     }
-    (Usage { input_tokens: est.input_tokens, output_tokens: out }, UsageEvidence::Estimated)
+    (
+        Usage {
+            input_tokens: est.input_tokens,
+            output_tokens: out,
+        },
+        UsageEvidence::Estimated,
+    )
 }
-

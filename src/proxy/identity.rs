@@ -28,7 +28,9 @@ const MAX_ID: usize = 128;
 fn valid_id(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= MAX_ID
-        && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':' | b'@' | b'/'))
+        && s.bytes().all(|b| {
+            b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':' | b'@' | b'/')
+        })
 }
 
 static SEQ: AtomicU64 = AtomicU64::new(0);
@@ -41,7 +43,11 @@ pub fn new_request_id() -> Arc<str> {
     Arc::from(format!("tg-{p:08x}-{n:x}"))
 }
 
-fn header_id(h: &HeaderMap, name: &str, what: &'static str) -> Result<Option<Arc<str>>, IdentityError> {
+fn header_id(
+    h: &HeaderMap,
+    name: &str,
+    what: &'static str,
+) -> Result<Option<Arc<str>>, IdentityError> {
     match h.get(name) {
         None => Ok(None),
         Some(v) => match v.to_str() {
@@ -64,7 +70,10 @@ pub fn identify(h: &HeaderMap, snap: &Snapshot) -> Result<Identity, (Arc<str>, I
     let bearer = h
         .get(http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
         .map(str::trim);
     // Virtual keys are only consulted when the policy configures them; otherwise the app's
     // Authorization (often a dummy key its SDK insists on) is ignored and never forwarded.
@@ -78,7 +87,11 @@ pub fn identify(h: &HeaderMap, snap: &Snapshot) -> Result<Identity, (Arc<str>, I
                 }
             }
             return match found {
-                Some(c) => Ok(Identity { request_id, job_id, consumer: c.clone() }),
+                Some(c) => Ok(Identity {
+                    request_id,
+                    job_id,
+                    consumer: c.clone(),
+                }),
                 None => Err((request_id, IdentityError::UnknownKey)),
             };
         }
@@ -87,5 +100,9 @@ pub fn identify(h: &HeaderMap, snap: &Snapshot) -> Result<Identity, (Arc<str>, I
         Ok(c) => c.unwrap_or_else(|| id.default_consumer.clone()),
         Err(e) => return Err((request_id, e)),
     };
-    Ok(Identity { request_id, job_id, consumer })
+    Ok(Identity {
+        request_id,
+        job_id,
+        consumer,
+    })
 }

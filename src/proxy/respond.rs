@@ -20,9 +20,15 @@ pub fn full(b: impl Into<Bytes>) -> Body {
 #[derive(Debug)]
 pub enum Refusal {
     /// Not JSON, or not the shape the endpoint needs.
-    BadRequest { message: String, param: Option<String>, code: &'static str },
+    BadRequest {
+        message: String,
+        param: Option<String>,
+        code: &'static str,
+    },
     /// Body over `server.max_body_bytes`.
-    TooLarge { limit: u64 },
+    TooLarge {
+        limit: u64,
+    },
     /// No route for the `model`.
     UnknownModel(String),
     /// A bearer key that matches no virtual key, or an unusable identity header.
@@ -42,16 +48,25 @@ impl Refusal {
             Refusal::UnknownModel(_) | Refusal::NotFound(_) => StatusCode::NOT_FOUND,
             Refusal::Unauthenticated(_) => StatusCode::UNAUTHORIZED,
             Refusal::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            Refusal::Governed => StatusCode::from_u16(rec.http_status).unwrap_or(StatusCode::FORBIDDEN),
+            Refusal::Governed => {
+                StatusCode::from_u16(rec.http_status).unwrap_or(StatusCode::FORBIDDEN)
+            }
         }
     }
 
     /// (type, code, param, message) of the OpenAI error object.
     fn parts(&self, rec: &Record) -> (&'static str, String, Option<String>, String) {
         match self {
-            Refusal::BadRequest { message, param, code } => {
-                ("invalid_request_error", code.to_string(), param.clone(), message.clone())
-            }
+            Refusal::BadRequest {
+                message,
+                param,
+                code,
+            } => (
+                "invalid_request_error",
+                code.to_string(),
+                param.clone(),
+                message.clone(),
+            ),
             Refusal::TooLarge { limit } => (
                 "invalid_request_error",
                 "request_too_large".into(),
@@ -64,20 +79,36 @@ impl Refusal {
                 Some("model".into()),
                 format!("the model `{m}` does not exist: no tollgate route has this alias"),
             ),
-            Refusal::Unauthenticated(m) => ("authentication_error", "invalid_api_key".into(), None, m.clone()),
-            Refusal::NotFound(p) => {
-                ("invalid_request_error", "unknown_url".into(), None, format!("unknown endpoint: {p}"))
-            }
-            Refusal::MethodNotAllowed => {
-                ("invalid_request_error", "method_not_allowed".into(), None, "method not allowed".into())
-            }
+            Refusal::Unauthenticated(m) => (
+                "authentication_error",
+                "invalid_api_key".into(),
+                None,
+                m.clone(),
+            ),
+            Refusal::NotFound(p) => (
+                "invalid_request_error",
+                "unknown_url".into(),
+                None,
+                format!("unknown endpoint: {p}"),
+            ),
+            Refusal::MethodNotAllowed => (
+                "invalid_request_error",
+                "method_not_allowed".into(),
+                None,
+                "method not allowed".into(),
+            ),
             Refusal::Governed => {
                 let ty = match (rec.final_action, rec.http_status) {
                     (FinalAction::Defer, 429) => "rate_limit_exceeded",
                     (FinalAction::Defer, _) => "service_unavailable",
                     _ => "insufficient_quota",
                 };
-                (ty, rec.reason_class.as_str().to_ascii_lowercase(), None, explain(rec))
+                (
+                    ty,
+                    rec.reason_class.as_str().to_ascii_lowercase(),
+                    None,
+                    explain(rec),
+                )
             }
         }
     }
@@ -88,8 +119,12 @@ pub fn explain(rec: &Record) -> String {
     let why = match rec.reason_class {
         ReasonClass::RateLimited => "a rate limit is full",
         ReasonClass::QuotaBlocked => "a quota is used up",
-        ReasonClass::HardBudgetExceeded => "the worst case of this request would cross a hard budget",
-        ReasonClass::FallbackOverBudget => "the primary failed and the fallback's worst case does not fit the budget",
+        ReasonClass::HardBudgetExceeded => {
+            "the worst case of this request would cross a hard budget"
+        }
+        ReasonClass::FallbackOverBudget => {
+            "the primary failed and the fallback's worst case does not fit the budget"
+        }
         ReasonClass::CircuitOpen => "the backends' circuits are open",
         ReasonClass::RetryBudgetExhausted => "the job's retry budget is used up",
         ReasonClass::UpstreamFailure => "the upstream backends failed",
@@ -140,8 +175,14 @@ pub fn stamp(h: &mut HeaderMap, rec: &Record, snap: &Snapshot) {
     if let Ok(v) = HeaderValue::from_str(&rec.request_id) {
         h.insert(H_REQUEST_ID.clone(), v);
     }
-    h.insert(H_ACTION.clone(), HeaderValue::from_static(rec.final_action.as_str()));
-    h.insert(H_REASON.clone(), HeaderValue::from_static(rec.reason_class.as_str()));
+    h.insert(
+        H_ACTION.clone(),
+        HeaderValue::from_static(rec.final_action.as_str()),
+    );
+    h.insert(
+        H_REASON.clone(),
+        HeaderValue::from_static(rec.reason_class.as_str()),
+    );
     if let Ok(v) = HeaderValue::from_str(&rec.backend) {
         h.insert(H_BACKEND.clone(), v);
     }
@@ -167,7 +208,10 @@ pub fn refusal(r: &Refusal, rec: &Record, snap: &Snapshot) -> Response<Body> {
     });
     let mut resp = Response::new(full(body.to_string()));
     *resp.status_mut() = status;
-    resp.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     stamp(resp.headers_mut(), rec, snap);
     resp
 }
@@ -224,7 +268,8 @@ pub fn static_answer(
         }
     };
     let mut resp = Response::new(full(body));
-    resp.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static(ctype));
+    resp.headers_mut()
+        .insert(http::header::CONTENT_TYPE, HeaderValue::from_static(ctype));
     stamp(resp.headers_mut(), rec, snap);
     resp
 }

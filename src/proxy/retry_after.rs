@@ -66,10 +66,22 @@ mod tests {
     #[test]
     fn http_dates() {
         let now = 784_111_777_000 - 30_000; // 30 s before Sun, 06 Nov 1994 08:49:37 GMT
-        assert_eq!(parse_retry_after("Sun, 06 Nov 1994 08:49:37 GMT", now), Some(30_000));
-        assert_eq!(parse_retry_after("Sunday, 06-Nov-94 08:49:37 GMT", now), Some(30_000));
-        assert_eq!(parse_retry_after("Sun Nov  6 08:49:37 1994", now), Some(30_000));
-        assert_eq!(parse_retry_after("Sun, 06 Nov 1994 08:49:37 GMT", now + 60_000), Some(0));
+        assert_eq!(
+            parse_retry_after("Sun, 06 Nov 1994 08:49:37 GMT", now),
+            Some(30_000)
+        );
+        assert_eq!(
+            parse_retry_after("Sunday, 06-Nov-94 08:49:37 GMT", now),
+            Some(30_000)
+        );
+        assert_eq!(
+            parse_retry_after("Sun Nov  6 08:49:37 1994", now),
+            Some(30_000)
+        );
+        assert_eq!(
+            parse_retry_after("Sun, 06 Nov 1994 08:49:37 GMT", now + 60_000),
+            Some(0)
+        );
     }
 
     #[test]

@@ -61,11 +61,24 @@ pub async fn start(snap: Snapshot, audit: Audit, opts: Options) -> std::io::Resu
     });
     let (stop, stop_rx) = watch::channel(false);
     let a = app.clone();
-    let data_task = tokio::spawn(serve(data, stop_rx.clone(), header_timeout, move |req| handle(a.clone(), req)));
+    let data_task = tokio::spawn(serve(data, stop_rx.clone(), header_timeout, move |req| {
+        handle(a.clone(), req)
+    }));
     let a = app.clone();
-    let admin_task = tokio::spawn(serve(admin_l, stop_rx.clone(), header_timeout, move |req| admin::handle(a.clone(), req)));
+    let admin_task = tokio::spawn(serve(
+        admin_l,
+        stop_rx.clone(),
+        header_timeout,
+        move |req| admin::handle(a.clone(), req),
+    ));
     let sweeper = tokio::spawn(sweep(app.clone(), stop_rx));
-    Ok(Running { addr, admin_addr, app, stop, tasks: vec![data_task, admin_task, sweeper] })
+    Ok(Running {
+        addr,
+        admin_addr,
+        app,
+        stop,
+        tasks: vec![data_task, admin_task, sweeper],
+    })
 }
 
 impl Running {
@@ -92,10 +105,17 @@ async fn sweep(app: Arc<App>, mut stop: watch::Receiver<bool>) {
     }
 }
 
-async fn serve<F, Fut>(listener: TcpListener, mut stop: watch::Receiver<bool>, header_timeout: Duration, svc: F)
-where
+async fn serve<F, Fut>(
+    listener: TcpListener,
+    mut stop: watch::Receiver<bool>,
+    header_timeout: Duration,
+    svc: F,
+) where
     F: Fn(hyper::Request<hyper::body::Incoming>) -> Fut + Clone + Send + Sync + 'static,
-    Fut: std::future::Future<Output = Result<hyper::Response<super::respond::Body>, std::convert::Infallible>> + Send + 'static,
+    Fut: std::future::Future<
+            Output = Result<hyper::Response<super::respond::Body>, std::convert::Infallible>,
+        > + Send
+        + 'static,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -104,7 +124,10 @@ where
         .header_read_timeout(header_timeout)
         .max_buf_size(MAX_HEADER_BUF)
         .keep_alive(true);
-    builder.http2().timer(TokioTimer::new()).keep_alive_interval(Some(Duration::from_secs(30)));
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Some(Duration::from_secs(30)));
     let graceful = GracefulShutdown::new();
     loop {
         tokio::select! {
@@ -143,6 +166,7 @@ pub fn reload(app: &App, path: &std::path::Path) -> Result<Arc<str>, String> {
     let version = snap.policy.version.clone();
     let ids: Vec<Arc<str>> = snap.policy.backends.iter().map(|b| b.id.clone()).collect();
     app.snap.store(Arc::new(snap));
-    app.governor.retain_circuits(|id| ids.iter().any(|b| &**b == id));
+    app.governor
+        .retain_circuits(|id| ids.iter().any(|b| &**b == id));
     Ok(version)
 }

@@ -50,8 +50,12 @@ impl Snapshot {
                 .filter(|k| !k.is_empty());
             let header = match &key {
                 Some(k) => {
-                    let mut v = HeaderValue::from_str(&format!("Bearer {k}"))
-                        .map_err(|_| format!("backend {}: the key in its api_key_env is not a valid header value", b.id))?;
+                    let mut v = HeaderValue::from_str(&format!("Bearer {k}")).map_err(|_| {
+                        format!(
+                            "backend {}: the key in its api_key_env is not a valid header value",
+                            b.id
+                        )
+                    })?;
                     v.set_sensitive(true);
                     Some(v)
                 }
@@ -63,8 +67,12 @@ impl Snapshot {
         let mut virtual_keys = Vec::new();
         for vk in &policy.identity.virtual_keys {
             match std::env::var(&vk.key_env) {
-                Ok(k) if !k.is_empty() => virtual_keys.push((Secret(Arc::from(k)), vk.consumer.clone())),
-                _ => tracing::warn!(consumer = %vk.consumer, env = %vk.key_env, "virtual key env is unset: that consumer cannot authenticate"),
+                Ok(k) if !k.is_empty() => {
+                    virtual_keys.push((Secret(Arc::from(k)), vk.consumer.clone()))
+                }
+                _ => {
+                    tracing::warn!(consumer = %vk.consumer, env = %vk.key_env, "virtual key env is unset: that consumer cannot authenticate")
+                }
             }
         }
         let version_header = HeaderValue::from_str(&policy.version)
@@ -74,8 +82,16 @@ impl Snapshot {
             .iter()
             .map(|r| serde_json::json!({"id": &*r.model, "object": "model", "created": 0, "owned_by": "tollgate"}))
             .collect();
-        let models_body = Bytes::from(serde_json::json!({"object": "list", "data": data}).to_string());
-        Ok(Snapshot { policy, keys, bearer, virtual_keys, version_header, models_body })
+        let models_body =
+            Bytes::from(serde_json::json!({"object": "list", "data": data}).to_string());
+        Ok(Snapshot {
+            policy,
+            keys,
+            bearer,
+            virtual_keys,
+            version_header,
+            models_body,
+        })
     }
 
     /// Whether the backend at `idx` can be called (its key, if it needs one, is set).

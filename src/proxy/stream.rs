@@ -2,7 +2,7 @@
 //! and counts output on the way, and the call is settled exactly once however the stream
 //! ends — completed, upstream error, timeout, over its reservation, or the client gone.
 
-use super::respond::{BoxError, Body};
+use super::respond::{Body, BoxError};
 use super::snapshot::Snapshot;
 use crate::audit::{Audit, Entry};
 use crate::governor::{BudgetState, Governor, Pending, ReasonClass, Record, UsageEvidence};
@@ -79,7 +79,17 @@ fn error_event(message: &str, code: &str) -> Bytes {
 impl Metered {
     fn settle(&mut self, end: End) {
         let Some(tail) = self.tail.take() else { return };
-        let Tail { governor, snap, audit, endpoint, pending, mut record, input_tokens, started, .. } = tail;
+        let Tail {
+            governor,
+            snap,
+            audit,
+            endpoint,
+            pending,
+            mut record,
+            input_tokens,
+            started,
+            ..
+        } = tail;
         let policy = &snap.policy;
         let (usage, actual) = self.meter.usage_or_count(input_tokens);
         let evidence = match end {
@@ -94,7 +104,9 @@ impl Metered {
                 record.reason_class.note(ReasonClass::UpstreamFailure);
                 if let Some(b) = backend {
                     let now = jiff::Timestamp::now().as_millisecond();
-                    governor.circuit(&b.id).on_failure(now, &b.circuit, None, None);
+                    governor
+                        .circuit(&b.id)
+                        .on_failure(now, &b.circuit, None, None);
                 }
             }
             End::OverReservation => {
@@ -120,7 +132,11 @@ impl Metered {
         }
     }
 
-    fn finish_with(&mut self, end: End, event: Option<Bytes>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn finish_with(
+        &mut self,
+        end: End,
+        event: Option<Bytes>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let rest = self.meter.flush();
         self.settle(end);
         self.ended = true;
@@ -140,7 +156,10 @@ impl HttpBody for Metered {
     type Data = Bytes;
     type Error = BoxError;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
         loop {
             if let Some(b) = this.last.take() {
@@ -150,7 +169,10 @@ impl HttpBody for Metered {
                 return Poll::Ready(None);
             }
             if this.deadline.as_mut().poll(cx).is_ready() {
-                let ev = error_event("the upstream stream exceeded its total timeout", "upstream_timeout");
+                let ev = error_event(
+                    "the upstream stream exceeded its total timeout",
+                    "upstream_timeout",
+                );
                 return this.finish_with(End::Timeout, Some(ev));
             }
             match Pin::new(&mut this.inner).poll_frame(cx) {
@@ -158,13 +180,19 @@ impl HttpBody for Metered {
                 Poll::Ready(None) => return this.finish_with(End::Complete, None),
                 Poll::Ready(Some(Err(e))) => {
                     tracing::warn!(error = %e, "upstream stream broke");
-                    let ev = error_event("the upstream stream ended with an error", "upstream_error");
+                    let ev =
+                        error_event("the upstream stream ended with an error", "upstream_error");
                     return this.finish_with(End::UpstreamError, Some(ev));
                 }
                 Poll::Ready(Some(Ok(frame))) => {
-                    let Ok(data) = frame.into_data() else { continue };
+                    let Ok(data) = frame.into_data() else {
+                        continue;
+                    };
                     let out = this.meter.feed(&data);
-                    let bound = this.tail.as_ref().map_or(u64::MAX, |t| guard_bound(t.max_output_total));
+                    let bound = this
+                        .tail
+                        .as_ref()
+                        .map_or(u64::MAX, |t| guard_bound(t.max_output_total));
                     if this.meter.usage.is_none() && this.meter.counted_output > bound {
                         this.last = Some(error_event(
                             "tollgate stopped the stream: the output passed what was reserved for this call",

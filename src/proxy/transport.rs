@@ -36,7 +36,9 @@ pub struct Transport {
 
 impl std::fmt::Debug for Transport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Transport").field("clients", &self.clients.len()).finish()
+        f.debug_struct("Transport")
+            .field("clients", &self.clients.len())
+            .finish()
     }
 }
 
@@ -127,7 +129,12 @@ impl Serialize for Rewritten<'_> {
             m.serialize_entry(k, &v)?;
         }
         if self.include_usage {
-            let mut opts = self.body.get("stream_options").and_then(Value::as_object).cloned().unwrap_or_default();
+            let mut opts = self
+                .body
+                .get("stream_options")
+                .and_then(Value::as_object)
+                .cloned()
+                .unwrap_or_default();
             opts.insert("include_usage".into(), Value::Bool(true));
             m.serialize_entry("stream_options", &opts)?;
         }
@@ -147,17 +154,37 @@ fn path_of(e: Endpoint) -> &'static str {
 fn forwardable(name: &http::HeaderName) -> bool {
     let n = name.as_str();
     !(is_hop_by_hop(name)
-        || matches!(n, "authorization" | "api-key" | "x-api-key" | "x-goog-api-key" | "cookie" | "accept-encoding")
+        || matches!(
+            n,
+            "authorization"
+                | "api-key"
+                | "x-api-key"
+                | "x-goog-api-key"
+                | "cookie"
+                | "accept-encoding"
+        )
         || n.starts_with("x-tollgate-")
         || n == "content-type")
 }
 
-fn failure(class: FailureClass, status: Option<u16>, retry_after_ms: Option<i64>) -> CallResult<UpstreamResponse> {
-    CallResult::Failed(Failure { class, status, retry_after_ms })
+fn failure(
+    class: FailureClass,
+    status: Option<u16>,
+    retry_after_ms: Option<i64>,
+) -> CallResult<UpstreamResponse> {
+    CallResult::Failed(Failure {
+        class,
+        status,
+        retry_after_ms,
+    })
 }
 
 impl Call<'_> {
-    fn build(&self, spec: &CallSpec<'_>, backend: &Backend) -> Result<Request<Full<Bytes>>, String> {
+    fn build(
+        &self,
+        spec: &CallSpec<'_>,
+        backend: &Backend,
+    ) -> Result<Request<Full<Bytes>>, String> {
         let cap = match self.endpoint {
             Endpoint::Embeddings => None,
             // Keep the client's spelling; send the cap even when the client set none, so the
@@ -182,11 +209,15 @@ impl Call<'_> {
                 h.append(k.clone(), v.clone());
             }
         }
-        h.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        h.insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
         if let Some(auth) = &self.snap.bearer[spec.backend_index] {
             h.insert(http::header::AUTHORIZATION, auth.clone());
         }
-        req.body(Full::new(Bytes::from(body))).map_err(|e| e.to_string())
+        req.body(Full::new(Bytes::from(body)))
+            .map_err(|e| e.to_string())
     }
 
     async fn attempt(&self, spec: CallSpec<'_>) -> CallResult<UpstreamResponse> {
@@ -222,7 +253,12 @@ impl Call<'_> {
                 // A client error: read it whole and pass it through unchanged.
                 return match read_body(incoming, deadline, MAX_UPSTREAM_BODY).await {
                     Ok(b) => CallResult::NotRetryable {
-                        payload: UpstreamResponse { status, headers: parts.headers, body: UpBody::Buffered(b), deadline },
+                        payload: UpstreamResponse {
+                            status,
+                            headers: parts.headers,
+                            body: UpBody::Buffered(b),
+                            deadline,
+                        },
                         status: status.as_u16(),
                     },
                     Err(class) => failure(class, Some(status.as_u16()), None),
@@ -274,7 +310,10 @@ impl Upstream for Call<'_> {
         self.snap.eligible(index)
     }
 
-    fn call(&self, spec: CallSpec<'_>) -> impl Future<Output = CallResult<UpstreamResponse>> + Send {
+    fn call(
+        &self,
+        spec: CallSpec<'_>,
+    ) -> impl Future<Output = CallResult<UpstreamResponse>> + Send {
         self.attempt(spec)
     }
 }

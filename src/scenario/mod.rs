@@ -8,7 +8,9 @@ pub use file::ScenarioFile;
 pub use script::{classify, FixedClock, ScriptedUpstream};
 
 use crate::estimate::{self, Endpoint};
-use crate::governor::{CircuitState, Governor, Outcome, Record, RequestCtx, Served, Usage, UsageEvidence};
+use crate::governor::{
+    CircuitState, Governor, Outcome, Record, RequestCtx, Served, Usage, UsageEvidence,
+};
 use crate::ledger::{window_at, window_end, CounterKey, Ledger};
 use crate::policy::{self, Policy};
 use crate::units::{usd_to_micros, Amount, Scope};
@@ -44,7 +46,10 @@ pub struct ScenarioResult {
 }
 
 fn parse_err(file: &str, msg: impl std::fmt::Display) -> ScenarioError {
-    ScenarioError::Parse { file: file.to_string(), msg: msg.to_string() }
+    ScenarioError::Parse {
+        file: file.to_string(),
+        msg: msg.to_string(),
+    }
 }
 
 fn parse_time(file: &str, key: &str, s: &str) -> Result<i64, ScenarioError> {
@@ -53,16 +58,27 @@ fn parse_time(file: &str, key: &str, s: &str) -> Result<i64, ScenarioError> {
         .map_err(|e| parse_err(file, format!("{key}: not an RFC 3339 time ({s}): {e}")))
 }
 
-fn load_policy(file: &str, dir: &Path, v: serde_norway::Value, text: &str) -> Result<Policy, ScenarioError> {
+fn load_policy(
+    file: &str,
+    dir: &Path,
+    v: serde_norway::Value,
+    text: &str,
+) -> Result<Policy, ScenarioError> {
     let res = match &v {
         serde_norway::Value::String(rel) => policy::load(&dir.join(rel)),
         _ => policy::from_value(v, file, Some(text)),
     };
-    res.map_err(|e| ScenarioError::Policy { file: file.to_string(), msg: e.to_string() })
+    res.map_err(|e| ScenarioError::Policy {
+        file: file.to_string(),
+        msg: e.to_string(),
+    })
 }
 
 fn seed_key(policy: &Policy, s: &UsageSeed, default_id: &str, now: i64) -> (CounterKey, i64) {
-    let now = s.at.as_deref().and_then(|t| t.parse::<jiff::Timestamp>().ok()).map_or(now, |t| t.as_millisecond());
+    let now =
+        s.at.as_deref()
+            .and_then(|t| t.parse::<jiff::Timestamp>().ok())
+            .map_or(now, |t| t.as_millisecond());
     let id: Arc<str> = match (s.scope, &s.id) {
         (Scope::Global, _) => Arc::from("global"),
         (_, Some(id)) => Arc::from(id.as_str()),
@@ -71,37 +87,68 @@ fn seed_key(policy: &Policy, s: &UsageSeed, default_id: &str, now: i64) -> (Coun
     let tz = &policy.windows.timezone;
     let window = s.window.map(|w| window_at(tz, w, now));
     let expires = window.map_or(i64::MAX, |k| window_end(tz, k));
-    (CounterKey { scope: s.scope, id, window }, expires)
+    (
+        CounterKey {
+            scope: s.scope,
+            id,
+            window,
+        },
+        expires,
+    )
 }
 
 fn seed_amount(s: &UsageSeed) -> Amount {
-    Amount { tokens: s.tokens, requests: s.requests, usd: usd_to_micros(s.usd) }
+    Amount {
+        tokens: s.tokens,
+        requests: s.requests,
+        usd: usd_to_micros(s.usd),
+    }
 }
 
 /// Reads and runs one scenario file.
 pub async fn run_file(path: &Path) -> Result<ScenarioResult, ScenarioError> {
     let file = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|err| ScenarioError::Read { file: file.clone(), err })?;
+    let text = std::fs::read_to_string(path).map_err(|err| ScenarioError::Read {
+        file: file.clone(),
+        err,
+    })?;
     let sc: ScenarioFile = serde_norway::from_str(&text).map_err(|e| {
-        let at = e.location().map(|l| format!("line {}: ", l.line())).unwrap_or_default();
+        let at = e
+            .location()
+            .map(|l| format!("line {}: ", l.line()))
+            .unwrap_or_default();
         parse_err(&file, format!("{at}{e}"))
     })?;
-    let dir = path.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
+    let dir = path
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."));
     let policy = load_policy(&file, &dir, sc.policy.clone(), &text)?;
     run(&file, sc, &policy).await
 }
 
 /// Runs a parsed scenario against a policy.
-pub async fn run(file: &str, sc: ScenarioFile, policy: &Policy) -> Result<ScenarioResult, ScenarioError> {
+pub async fn run(
+    file: &str,
+    sc: ScenarioFile,
+    policy: &Policy,
+) -> Result<ScenarioResult, ScenarioError> {
     let now = parse_time(file, "now", &sc.now)?;
     let governor = Governor::new(Arc::new(Ledger::new()));
     let ledger = governor.ledger.clone();
 
     let req = &sc.request;
     let request_id: Arc<str> = Arc::from(req.id.as_deref().unwrap_or("scenario-request"));
-    let job_id: Arc<str> = req.job.as_deref().map(Arc::from).unwrap_or_else(|| request_id.clone());
-    let consumer: Arc<str> =
-        req.consumer.as_deref().map(Arc::from).unwrap_or_else(|| policy.identity.default_consumer.clone());
+    let job_id: Arc<str> = req
+        .job
+        .as_deref()
+        .map(Arc::from)
+        .unwrap_or_else(|| request_id.clone());
+    let consumer: Arc<str> = req
+        .consumer
+        .as_deref()
+        .map(Arc::from)
+        .unwrap_or_else(|| policy.identity.default_consumer.clone());
 
     // Starting state.
     for s in &sc.state.usage {
@@ -111,8 +158,13 @@ pub async fn run(file: &str, sc: ScenarioFile, policy: &Policy) -> Result<Scenar
     let mut held = Vec::new();
     for s in &sc.state.reserved {
         let (key, exp) = seed_key(policy, s, &job_id, now);
-        let part = crate::ledger::ReservePart { counter: ledger.counter(&key, exp), hard: [None; 3] };
-        let r = ledger.reserve(&[part], seed_amount(s)).map_err(|_| parse_err(file, "state.reserved: cannot seed"))?;
+        let part = crate::ledger::ReservePart {
+            counter: ledger.counter(&key, exp),
+            hard: [None; 3],
+        };
+        let r = ledger
+            .reserve(&[part], seed_amount(s))
+            .map_err(|_| parse_err(file, "state.reserved: cannot seed"))?;
         held.push(r);
     }
     for j in &sc.state.jobs {
@@ -123,7 +175,12 @@ pub async fn run(file: &str, sc: ScenarioFile, policy: &Policy) -> Result<Scenar
             "CLOSED" => CircuitState::Closed,
             "OPEN" => CircuitState::Open,
             "HALF_OPEN" => CircuitState::HalfOpen,
-            other => return Err(parse_err(file, format!("state.circuits: unknown state {other}"))),
+            other => {
+                return Err(parse_err(
+                    file,
+                    format!("state.circuits: unknown state {other}"),
+                ))
+            }
         };
         let opened_at = match &c.opened_at {
             Some(t) => parse_time(file, "state.circuits.opened_at", t)?,
@@ -147,11 +204,19 @@ pub async fn run(file: &str, sc: ScenarioFile, policy: &Policy) -> Result<Scenar
         Some(body) => {
             let est = estimate::estimate(Endpoint::Chat, body, policy.estimate.tokenizer)
                 .map_err(|e| parse_err(file, format!("request.body: {e}")))?;
-            (est.model.clone(), est.input_tokens, est.max_output_tokens, est.n)
+            (
+                est.model.clone(),
+                est.input_tokens,
+                est.max_output_tokens,
+                est.n,
+            )
         }
         None => (
-            req.model.clone().ok_or_else(|| parse_err(file, "request.model is required"))?,
-            req.input_tokens.ok_or_else(|| parse_err(file, "request.input_tokens is required"))?,
+            req.model
+                .clone()
+                .ok_or_else(|| parse_err(file, "request.model is required"))?,
+            req.input_tokens
+                .ok_or_else(|| parse_err(file, "request.input_tokens is required"))?,
             req.max_output_tokens,
             req.n.unwrap_or(1),
         ),
@@ -159,21 +224,41 @@ pub async fn run(file: &str, sc: ScenarioFile, policy: &Policy) -> Result<Scenar
     let route = policy
         .route(&model)
         .ok_or_else(|| parse_err(file, format!("request.model: no route for model `{model}`")))?;
-    let ctx = RequestCtx { request_id, job_id: job_id.clone(), consumer, input_tokens, max_output_tokens: max_out, n, static_ok: true };
+    let ctx = RequestCtx {
+        request_id,
+        job_id: job_id.clone(),
+        consumer,
+        input_tokens,
+        max_output_tokens: max_out,
+        n,
+        static_ok: true,
+    };
 
     let up = ScriptedUpstream::new(sc.upstream.clone());
     let clock = FixedClock::new(now);
     let Outcome { mut record, served } = governor.govern(policy, route, &ctx, &up, &clock).await;
     if let Served::Upstream { payload, pending } = served {
         let (usage, evidence) = match payload.usage {
-            Some(u) => (Usage { input_tokens: u.input_tokens, output_tokens: u.output_tokens }, UsageEvidence::Actual),
+            Some(u) => (
+                Usage {
+                    input_tokens: u.input_tokens,
+                    output_tokens: u.output_tokens,
+                },
+                UsageEvidence::Actual,
+            ),
             None => {
                 let out = payload
                     .text
                     .as_deref()
                     .map(|t| estimate::count_text(policy.estimate.tokenizer, t))
                     .unwrap_or(0);
-                (Usage { input_tokens, output_tokens: out }, UsageEvidence::Estimated)
+                (
+                    Usage {
+                        input_tokens,
+                        output_tokens: out,
+                    },
+                    UsageEvidence::Estimated,
+                )
             }
         };
         governor.settle(policy, &mut record, pending, usage, evidence);
@@ -188,13 +273,27 @@ pub async fn run(file: &str, sc: ScenarioFile, policy: &Policy) -> Result<Scenar
         });
     }
     drop(held);
-    Ok(ScenarioResult { file: file.to_string(), name: sc.name, record, mismatches })
+    Ok(ScenarioResult {
+        file: file.to_string(),
+        name: sc.name,
+        record,
+        mismatches,
+    })
 }
 
-fn check<T: PartialEq + std::fmt::Debug>(out: &mut Vec<Mismatch>, field: &str, expected: Option<T>, got: T) {
+fn check<T: PartialEq + std::fmt::Debug>(
+    out: &mut Vec<Mismatch>,
+    field: &str,
+    expected: Option<T>,
+    got: T,
+) {
     if let Some(e) = expected {
         if e != got {
-            out.push(Mismatch { field: field.into(), expected: format!("{e:?}"), got: format!("{got:?}") });
+            out.push(Mismatch {
+                field: field.into(),
+                expected: format!("{e:?}"),
+                got: format!("{got:?}"),
+            });
         }
     }
 }
@@ -202,7 +301,11 @@ fn check<T: PartialEq + std::fmt::Debug>(out: &mut Vec<Mismatch>, field: &str, e
 fn check_str(out: &mut Vec<Mismatch>, field: &str, expected: &Option<String>, got: &str) {
     if let Some(e) = expected {
         if e != got {
-            out.push(Mismatch { field: field.into(), expected: e.clone(), got: got.to_string() });
+            out.push(Mismatch {
+                field: field.into(),
+                expected: e.clone(),
+                got: got.to_string(),
+            });
         }
     }
 }
@@ -218,40 +321,104 @@ fn compare(
 ) -> Vec<Mismatch> {
     use crate::governor::Clock;
     let mut out = Vec::new();
-    check_str(&mut out, "budget_state", &e.budget_state, r.budget_state.as_str());
-    check_str(&mut out, "quota_state", &e.quota_state, r.quota_state.as_str());
-    check_str(&mut out, "circuit_state", &e.circuit_state, r.circuit_state.as_str());
-    check_str(&mut out, "retry_state", &e.retry_state, r.retry_state.as_str());
-    check_str(&mut out, "usage_evidence_state", &e.usage_evidence_state, r.usage_evidence_state.as_str());
-    check_str(&mut out, "fallback_state", &e.fallback_state, r.fallback_state.as_str());
-    check_str(&mut out, "final_action", &e.final_action, r.final_action.as_str());
-    check_str(&mut out, "reason_class", &e.reason_class, r.reason_class.as_str());
+    check_str(
+        &mut out,
+        "budget_state",
+        &e.budget_state,
+        r.budget_state.as_str(),
+    );
+    check_str(
+        &mut out,
+        "quota_state",
+        &e.quota_state,
+        r.quota_state.as_str(),
+    );
+    check_str(
+        &mut out,
+        "circuit_state",
+        &e.circuit_state,
+        r.circuit_state.as_str(),
+    );
+    check_str(
+        &mut out,
+        "retry_state",
+        &e.retry_state,
+        r.retry_state.as_str(),
+    );
+    check_str(
+        &mut out,
+        "usage_evidence_state",
+        &e.usage_evidence_state,
+        r.usage_evidence_state.as_str(),
+    );
+    check_str(
+        &mut out,
+        "fallback_state",
+        &e.fallback_state,
+        r.fallback_state.as_str(),
+    );
+    check_str(
+        &mut out,
+        "final_action",
+        &e.final_action,
+        r.final_action.as_str(),
+    );
+    check_str(
+        &mut out,
+        "reason_class",
+        &e.reason_class,
+        r.reason_class.as_str(),
+    );
     check(&mut out, "http_status", e.http_status, r.http_status);
     if e.retry_after.is_some() {
-        check(&mut out, "retry_after", e.retry_after.map(Some), r.retry_after);
+        check(
+            &mut out,
+            "retry_after",
+            e.retry_after.map(Some),
+            r.retry_after,
+        );
     }
     let calls: Vec<String> = r.calls.iter().map(|c| c.to_string()).collect();
     check(&mut out, "calls", e.calls.clone(), calls);
     if e.upstream_max_tokens.is_some() {
-        check(&mut out, "upstream_max_tokens", e.upstream_max_tokens.map(Some), r.upstream_max_tokens);
+        check(
+            &mut out,
+            "upstream_max_tokens",
+            e.upstream_max_tokens.map(Some),
+            r.upstream_max_tokens,
+        );
     }
     check_str(&mut out, "backend", &e.backend, &r.backend);
     if let Some(map) = &e.circuit_after {
         let now = clock.now_ms();
         for (b, want) in map {
             let got = g.circuit(&Arc::from(b.as_str())).state_at(now);
-            check_str(&mut out, &format!("circuit_after.{b}"), &Some(want.clone()), got.as_str());
+            check_str(
+                &mut out,
+                &format!("circuit_after.{b}"),
+                &Some(want.clone()),
+                got.as_str(),
+            );
         }
     }
     if let Some(list) = &e.committed {
         for s in list {
             let (key, _) = seed_key(policy, s, job_id, start);
-            let got = g.ledger.get(&key).map(|c| c.committed()).unwrap_or_default();
+            let got = g
+                .ledger
+                .get(&key)
+                .map(|c| c.committed())
+                .unwrap_or_default();
             let label = format!("committed.{}.{}", s.scope, key.id);
             check(&mut out, &label, Some(seed_amount(s)), got);
         }
     }
-    check(&mut out, "reserved_tokens", e.reserved_tokens, g.ledger.reserved_tokens());
+    check(
+        &mut out,
+        "reserved_tokens",
+        e.reserved_tokens,
+        g.ledger.reserved_tokens(),
+    );
     check(&mut out, "waited_ms", e.waited_ms, clock.waited_ms());
     out
 }

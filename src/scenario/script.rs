@@ -18,7 +18,10 @@ pub struct FixedClock {
 
 impl FixedClock {
     pub fn new(now: Millis) -> Self {
-        FixedClock { now: AtomicI64::new(now), waited: AtomicI64::new(0) }
+        FixedClock {
+            now: AtomicI64::new(now),
+            waited: AtomicI64::new(0),
+        }
     }
     pub fn waited_ms(&self) -> i64 {
         self.waited.load(Ordering::Relaxed)
@@ -46,12 +49,18 @@ pub struct ScriptedUpstream {
 impl ScriptedUpstream {
     pub fn new(answers: BTreeMap<String, Vec<Answer>>) -> Self {
         let answers = answers.into_iter().map(|(k, v)| (k, v.into())).collect();
-        ScriptedUpstream { answers: Mutex::new(answers), unexpected: Mutex::default() }
+        ScriptedUpstream {
+            answers: Mutex::new(answers),
+            unexpected: Mutex::default(),
+        }
     }
 
     /// Backends called more often than the script allowed.
     pub fn unexpected(&self) -> Vec<String> {
-        self.unexpected.lock().map(|v| v.clone()).unwrap_or_default()
+        self.unexpected
+            .lock()
+            .map(|v| v.clone())
+            .unwrap_or_default()
     }
 
     fn next(&self, backend: &str) -> Option<Answer> {
@@ -64,10 +73,18 @@ pub fn classify(a: &Answer) -> CallResult<Answer> {
     let retry_after_ms = a.retry_after.map(|s| (s * 1000.0).round() as i64);
     match a.error.as_deref() {
         Some("timeout") => {
-            return CallResult::Failed(Failure { class: FailureClass::Timeout, status: None, retry_after_ms })
+            return CallResult::Failed(Failure {
+                class: FailureClass::Timeout,
+                status: None,
+                retry_after_ms,
+            })
         }
         Some(_) => {
-            return CallResult::Failed(Failure { class: FailureClass::Connect, status: None, retry_after_ms })
+            return CallResult::Failed(Failure {
+                class: FailureClass::Connect,
+                status: None,
+                retry_after_ms,
+            })
         }
         None => {}
     }
@@ -77,9 +94,18 @@ pub fn classify(a: &Answer) -> CallResult<Answer> {
         429 => FailureClass::Throttled,
         401 | 403 => FailureClass::Auth,
         408 | 500..=599 => FailureClass::Server,
-        _ => return CallResult::NotRetryable { payload: a.clone(), status },
+        _ => {
+            return CallResult::NotRetryable {
+                payload: a.clone(),
+                status,
+            }
+        }
     };
-    CallResult::Failed(Failure { class, status: Some(status), retry_after_ms })
+    CallResult::Failed(Failure {
+        class,
+        status: Some(status),
+        retry_after_ms,
+    })
 }
 
 impl Upstream for ScriptedUpstream {
@@ -96,7 +122,11 @@ impl Upstream for ScriptedUpstream {
                 if let Ok(mut u) = self.unexpected.lock() {
                     u.push(spec.backend.id.to_string());
                 }
-                CallResult::Failed(Failure { class: FailureClass::Connect, status: None, retry_after_ms: None })
+                CallResult::Failed(Failure {
+                    class: FailureClass::Connect,
+                    status: None,
+                    retry_after_ms: None,
+                })
             }
         };
         std::future::ready(r)

@@ -23,7 +23,10 @@ impl StreamUsage {
         let input = self.prompt_tokens?;
         let completion = self.completion_tokens.unwrap_or(0);
         let from_total = self.total_tokens.map_or(0, |t| t.saturating_sub(input));
-        Some(Usage { input_tokens: input, output_tokens: completion.max(from_total) })
+        Some(Usage {
+            input_tokens: input,
+            output_tokens: completion.max(from_total),
+        })
     }
 }
 
@@ -175,7 +178,13 @@ impl SseMeter {
     pub fn usage_or_count(&self, input_estimate: u64) -> (Usage, bool) {
         match self.usage.and_then(StreamUsage::to_usage) {
             Some(u) => (u, true),
-            None => (Usage { input_tokens: input_estimate, output_tokens: self.counted_output }, false),
+            None => (
+                Usage {
+                    input_tokens: input_estimate,
+                    output_tokens: self.counted_output,
+                },
+                false,
+            ),
         }
     }
 

@@ -23,13 +23,24 @@ fn run(m: &mut SseMeter, frames: &[&[u8]]) -> Vec<u8> {
 
 #[test]
 fn pass_through_is_byte_for_byte_and_reads_usage() {
-    let whole = format!("{}{}{}{}", chunk("Hel", true), chunk("lo", true), USAGE, DONE);
+    let whole = format!(
+        "{}{}{}{}",
+        chunk("Hel", true),
+        chunk("lo", true),
+        USAGE,
+        DONE
+    );
     let mut m = SseMeter::new(Tokenizer::O200k, false);
     // Split at every 7 bytes: events and UTF-8 both cross frames.
     let frames: Vec<&[u8]> = whole.as_bytes().chunks(7).collect();
     let out = run(&mut m, &frames);
     assert_eq!(out, whole.as_bytes());
-    assert_eq!(m.usage.and_then(|u| u.to_usage()).map(|u| (u.input_tokens, u.output_tokens)), Some((8, 4)));
+    assert_eq!(
+        m.usage
+            .and_then(|u| u.to_usage())
+            .map(|u| (u.input_tokens, u.output_tokens)),
+        Some((8, 4))
+    );
     assert!(m.done);
     assert!(m.counted_output >= 2);
 }
@@ -42,8 +53,15 @@ fn hiding_removes_the_usage_chunk_and_null_usage_fields() {
         let mut m = SseMeter::new(Tokenizer::O200k, true);
         let frames: Vec<&[u8]> = upstream.as_bytes().chunks(split).collect();
         let out = run(&mut m, &frames);
-        assert_eq!(String::from_utf8_lossy(&out), client_would_get, "split {split}");
-        assert_eq!(m.usage.and_then(|u| u.to_usage()).map(|u| u.output_tokens), Some(4));
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            client_would_get,
+            "split {split}"
+        );
+        assert_eq!(
+            m.usage.and_then(|u| u.to_usage()).map(|u| u.output_tokens),
+            Some(4)
+        );
     }
 }
 
@@ -54,7 +72,11 @@ fn running_totals_keep_the_last() {
     let mut m = SseMeter::new(Tokenizer::O200k, false);
     run(&mut m, &[a.as_bytes(), b.as_bytes()]);
     let u = m.usage.and_then(|u| u.to_usage()).unwrap_or_default();
-    assert_eq!((u.input_tokens, u.output_tokens), (5, 4), "thinking counted only in the total");
+    assert_eq!(
+        (u.input_tokens, u.output_tokens),
+        (5, 4),
+        "thinking counted only in the total"
+    );
 }
 
 #[test]
@@ -69,7 +91,10 @@ fn no_usage_counts_the_text_and_utf8_split_is_safe() {
     let (u, actual) = m.usage_or_count(11);
     assert!(!actual);
     assert_eq!(u.input_tokens, 11);
-    assert_eq!(u.output_tokens, crate::estimate::count_text(Tokenizer::O200k, text));
+    assert_eq!(
+        u.output_tokens,
+        crate::estimate::count_text(Tokenizer::O200k, text)
+    );
 }
 
 #[test]

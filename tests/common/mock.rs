@@ -94,14 +94,37 @@ impl Received {
 
 #[derive(Clone, Debug)]
 enum Kind {
-    Chat { content: String, usage: Option<(u64, u64)> },
-    Completion { text: String, usage: (u64, u64) },
-    Embedding { dims: usize, prompt_tokens: u64 },
-    Json { status: u16, body: Value },
-    Raw { status: u16, content_type: String, body: Bytes },
+    Chat {
+        content: String,
+        usage: Option<(u64, u64)>,
+    },
+    Completion {
+        text: String,
+        usage: (u64, u64),
+    },
+    Embedding {
+        dims: usize,
+        prompt_tokens: u64,
+    },
+    Json {
+        status: u16,
+        body: Value,
+    },
+    Raw {
+        status: u16,
+        content_type: String,
+        body: Bytes,
+    },
     Reset,
-    Sse { events: Vec<String>, every: Duration },
-    SseChat { pieces: Vec<String>, usage: Option<(u64, u64)>, every: Duration },
+    Sse {
+        events: Vec<String>,
+        every: Duration,
+    },
+    SseChat {
+        pieces: Vec<String>,
+        usage: Option<(u64, u64)>,
+        every: Duration,
+    },
 }
 
 /// A scripted answer. Build with the constructors, refine with `.header()`, `.delay()`,
@@ -116,7 +139,12 @@ pub struct Answer {
 
 impl Answer {
     fn of(kind: Kind) -> Answer {
-        Answer { kind, headers: Vec::new(), delay: None, abort_body: false }
+        Answer {
+            kind,
+            headers: Vec::new(),
+            delay: None,
+            abort_body: false,
+        }
     }
 
     /// 200 `chat.completion` with one choice carrying `content` and a full `usage` object.
@@ -130,14 +158,20 @@ impl Answer {
 
     /// 200 `chat.completion` without any `usage` key.
     pub fn ok_chat_no_usage(content: &str) -> Answer {
-        Answer::of(Kind::Chat { content: content.to_string(), usage: None })
+        Answer::of(Kind::Chat {
+            content: content.to_string(),
+            usage: None,
+        })
     }
 
     /// 200 embedding `list` response: one `dims`-long vector per input (a string or a token
     /// array counts as one input; an array of strings / token arrays as one per element),
     /// usage `{prompt_tokens, total_tokens}`.
     pub fn ok_embedding(dims: usize, prompt_tokens: u64) -> Answer {
-        Answer::of(Kind::Embedding { dims, prompt_tokens })
+        Answer::of(Kind::Embedding {
+            dims,
+            prompt_tokens,
+        })
     }
 
     /// 200 legacy `/v1/completions` `text_completion` response with usage.
@@ -154,7 +188,10 @@ impl Answer {
         let (ty, c): (&str, Value) = match code {
             400 => ("invalid_request_error", Value::Null),
             401 => ("invalid_request_error", json!("invalid_api_key")),
-            403 => ("permission_error", json!("unsupported_country_region_territory")),
+            403 => (
+                "permission_error",
+                json!("unsupported_country_region_territory"),
+            ),
             404 => ("invalid_request_error", json!("model_not_found")),
             408 => ("timeout", Value::Null),
             409 => ("conflict", Value::Null),
@@ -344,15 +381,25 @@ fn embedding_inputs(req: &Received) -> usize {
 }
 
 fn full(status: u16, content_type: &str, body: Bytes) -> Response<RespBody> {
-    let mut resp = Response::new(Full::new(body).map_err(|never| match never {}).boxed_unsync());
+    let mut resp = Response::new(
+        Full::new(body)
+            .map_err(|never| match never {})
+            .boxed_unsync(),
+    );
     *resp.status_mut() = StatusCode::from_u16(status).expect("valid status code");
-    resp.headers_mut()
-        .insert(http::header::CONTENT_TYPE, HeaderValue::from_str(content_type).unwrap());
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_str(content_type).unwrap(),
+    );
     resp
 }
 
 fn json_resp(status: u16, v: &Value) -> Response<RespBody> {
-    full(status, "application/json", Bytes::from(serde_json::to_vec(v).unwrap()))
+    full(
+        status,
+        "application/json",
+        Bytes::from(serde_json::to_vec(v).unwrap()),
+    )
 }
 
 fn streaming(frames: Vec<Bytes>, every: Duration, abort: bool) -> Response<RespBody> {
@@ -376,8 +423,14 @@ fn streaming(frames: Vec<Bytes>, every: Duration, abort: bool) -> Response<RespB
     });
     let mut resp = Response::new(StreamBody::new(stream).boxed_unsync());
     let h = resp.headers_mut();
-    h.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
-    h.insert(http::header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    h.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(
+        http::header::CACHE_CONTROL,
+        HeaderValue::from_static("no-cache"),
+    );
     resp
 }
 
@@ -405,7 +458,10 @@ impl Answer {
                 }
                 json_resp(200, &v)
             }
-            Kind::Completion { text, usage: (p, c) } => json_resp(
+            Kind::Completion {
+                text,
+                usage: (p, c),
+            } => json_resp(
                 200,
                 &json!({
                     "id": format!("cmpl-mock-{seq}"),
@@ -416,7 +472,10 @@ impl Answer {
                     "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
                 }),
             ),
-            Kind::Embedding { dims, prompt_tokens } => {
+            Kind::Embedding {
+                dims,
+                prompt_tokens,
+            } => {
                 let data: Vec<Value> = (0..embedding_inputs(req))
                     .map(|i| {
                         let vec: Vec<f64> = (0..*dims)
@@ -436,13 +495,21 @@ impl Answer {
                 )
             }
             Kind::Json { status, body } => json_resp(*status, body),
-            Kind::Raw { status, content_type, body } => full(*status, content_type, body.clone()),
+            Kind::Raw {
+                status,
+                content_type,
+                body,
+            } => full(*status, content_type, body.clone()),
             Kind::Sse { events, every } => streaming(
                 events.iter().map(|e| Bytes::from(e.clone())).collect(),
                 *every,
                 self.abort_body,
             ),
-            Kind::SseChat { pieces, usage, every } => streaming(
+            Kind::SseChat {
+                pieces,
+                usage,
+                every,
+            } => streaming(
                 chat_stream_events(&model, pieces, *usage, req.include_usage())
                     .into_iter()
                     .map(Bytes::from)
@@ -498,14 +565,23 @@ impl MockUpstream {
 
     /// Bind 127.0.0.1:0 and serve `script` in order; then `default` forever.
     pub async fn start_with_default(script: Vec<Answer>, default: Answer) -> MockUpstream {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind mock upstream");
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind mock upstream");
         let addr = listener.local_addr().unwrap();
         let shared = Arc::new(Shared {
-            state: Mutex::new(State { script: script.into(), received: Vec::new() }),
+            state: Mutex::new(State {
+                script: script.into(),
+                received: Vec::new(),
+            }),
             default,
         });
         let task = tokio::spawn(accept_loop(listener, shared.clone()));
-        MockUpstream { addr, shared, task: Some(task) }
+        MockUpstream {
+            addr,
+            shared,
+            task: Some(task),
+        }
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -639,7 +715,10 @@ async fn handle(
         let mut st = shared.state.lock().unwrap();
         st.received.push(received.clone());
         let seq = st.received.len();
-        let answer = st.script.pop_front().unwrap_or_else(|| shared.default.clone());
+        let answer = st
+            .script
+            .pop_front()
+            .unwrap_or_else(|| shared.default.clone());
         (answer, seq)
     };
     if let Some(d) = answer.delay {
@@ -653,7 +732,11 @@ async fn handle(
         // The connection task drops this future; the sleep only bounds a leak if the future
         // were ever polled elsewhere (HTTP/2 streams run on spawned tasks).
         tokio::time::sleep(Duration::from_secs(30)).await;
-        let mut r = Response::new(Full::new(Bytes::new()).map_err(|n| match n {}).boxed_unsync());
+        let mut r = Response::new(
+            Full::new(Bytes::new())
+                .map_err(|n| match n {})
+                .boxed_unsync(),
+        );
         *r.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
         return Ok(r);
     }
@@ -686,7 +769,11 @@ impl AsyncRead for SharedStream {
 }
 
 impl AsyncWrite for SharedStream {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
         loop {
             ready!(self.0.poll_write_ready(cx))?;
             match self.0.try_write(buf) {

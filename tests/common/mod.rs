@@ -30,7 +30,9 @@ fn build_request(
     headers: &[(&str, &str)],
 ) -> Request<Full<Bytes>> {
     let mut b = Request::builder().method(method).uri(url);
-    let has_ct = headers.iter().any(|(n, _)| n.eq_ignore_ascii_case("content-type"));
+    let has_ct = headers
+        .iter()
+        .any(|(n, _)| n.eq_ignore_ascii_case("content-type"));
     if body.is_some() && !has_ct {
         b = b.header("content-type", "application/json");
     }
@@ -54,7 +56,10 @@ pub async fn try_send_with(
 ) -> Result<(u16, HeaderMap, Bytes), String> {
     let req = build_request(method, url, body, headers);
     let fut = async {
-        let resp = client.request(req).await.map_err(|e| format!("request error: {e:?}"))?;
+        let resp = client
+            .request(req)
+            .await
+            .map_err(|e| format!("request error: {e:?}"))?;
         let (parts, body) = resp.into_parts();
         let bytes = body
             .collect()
@@ -177,7 +182,12 @@ pub async fn post_json_frames(
                 }
             }
         }
-        Streamed { status: parts.status.as_u16(), headers: parts.headers, frames, error }
+        Streamed {
+            status: parts.status.as_u16(),
+            headers: parts.headers,
+            frames,
+            error,
+        }
     };
     tokio::time::timeout(CLIENT_TIMEOUT, fut)
         .await
