@@ -4,89 +4,14 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::mock::{Answer, MockUpstream};
+use common::sidecar::Sidecar;
 use common::{json, post_json};
 use http::HeaderMap;
 use serde_json::{json as j, Value};
-use tollgate::audit::Audit;
 use tollgate::governor::CircuitState;
-use tollgate::proxy::{self, Options, Running, Snapshot};
-
-// ---------------------------------------------------------------------------------------------
-// Harness (each test binary is its own crate: kept small and local)
-// ---------------------------------------------------------------------------------------------
-
-struct Sidecar {
-    running: Running,
-    base: String,
-    audit_path: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl Sidecar {
-    async fn start(yaml: &str) -> Sidecar {
-        let policy = tollgate::policy::from_str(yaml, "test.yaml")
-            .unwrap_or_else(|e| panic!("policy: {e}\n{yaml}"));
-        let snap = Snapshot::build(policy).expect("snapshot");
-        let dir = tempfile::tempdir().expect("tempdir");
-        let audit_path = dir.path().join("audit.jsonl");
-        let (audit, _writer) = Audit::jsonl(audit_path.clone(), 4096).expect("audit");
-        let running = proxy::start(
-            snap,
-            audit,
-            Options {
-                listen: Some("127.0.0.1:0".parse().unwrap()),
-                admin_listen: Some("127.0.0.1:0".parse().unwrap()),
-            },
-        )
-        .await
-        .expect("start sidecar");
-        let base = format!("http://{}/v1", running.addr);
-        Sidecar {
-            running,
-            base,
-            audit_path,
-            _dir: dir,
-        }
-    }
-
-    fn chat_url(&self) -> String {
-        format!("{}/chat/completions", self.base)
-    }
-
-    fn circuit(&self, id: &str) -> Arc<tollgate::governor::Circuit> {
-        self.running.app.governor.circuit(&Arc::from(id))
-    }
-
-    async fn audit(&self, request_id: &str) -> Value {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let text = std::fs::read_to_string(&self.audit_path).unwrap_or_default();
-            for line in text.lines() {
-                if let Ok(v) = serde_json::from_str::<Value>(line) {
-                    if v["request_id"] == request_id {
-                        return v;
-                    }
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "no audit record for {request_id}:\n{text}"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-
-    async fn stop(self) {
-        tokio::time::timeout(Duration::from_secs(10), self.running.shutdown())
-            .await
-            .expect("sidecar shuts down");
-    }
-}
 
 fn hdr<'a>(h: &'a HeaderMap, name: &str) -> &'a str {
     h.get(name)

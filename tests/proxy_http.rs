@@ -19,115 +19,16 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::mock::{Answer, MockUpstream};
+use common::sidecar::Sidecar;
 use common::{get, json, post_json};
 use http::{HeaderMap, Method, Request};
 use http_body_util::{BodyExt, Full};
 use serde_json::{json as j, Value};
-use tollgate::audit::Audit;
 use tollgate::estimate::{self, Endpoint, Tokenizer};
 use tollgate::governor::CircuitState;
 use tollgate::ledger::{window_at, window_end, CounterKey};
-use tollgate::proxy::{self, Options, Running, Snapshot};
 use tollgate::scenario::ScenarioFile;
 use tollgate::units::{usd_to_micros, Amount, Scope};
-
-// ---------------------------------------------------------------------------------------------
-// Harness
-// ---------------------------------------------------------------------------------------------
-
-/// A running sidecar with a JSONL audit trail in a temp dir (the audit is how the eight fields
-/// of a *successful* response are checked: a served answer carries no `tollgate` object).
-struct Sidecar {
-    running: Running,
-    base: String,
-    audit_path: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl Sidecar {
-    async fn start(yaml: &str) -> Sidecar {
-        let policy = tollgate::policy::from_str(yaml, "test.yaml")
-            .unwrap_or_else(|e| panic!("policy: {e}\n{yaml}"));
-        let snap = Snapshot::build(policy).expect("snapshot");
-        let dir = tempfile::tempdir().expect("tempdir");
-        let audit_path = dir.path().join("audit.jsonl");
-        let (audit, _writer) = Audit::jsonl(audit_path.clone(), 4096).expect("audit");
-        let running = proxy::start(
-            snap,
-            audit,
-            Options {
-                listen: Some("127.0.0.1:0".parse().unwrap()),
-                admin_listen: Some("127.0.0.1:0".parse().unwrap()),
-            },
-        )
-        .await
-        .expect("start sidecar");
-        let base = format!("http://{}/v1", running.addr);
-        Sidecar {
-            running,
-            base,
-            audit_path,
-            _dir: dir,
-        }
-    }
-
-    fn chat_url(&self) -> String {
-        format!("{}/chat/completions", self.base)
-    }
-
-    fn ledger(&self) -> &tollgate::ledger::Ledger {
-        &self.running.app.governor.ledger
-    }
-
-    fn tokenizer(&self) -> Tokenizer {
-        self.running.app.snap.load().policy.estimate.tokenizer
-    }
-
-    /// Committed amount on a counter (zero when it does not exist).
-    fn committed(&self, key: &CounterKey) -> Amount {
-        self.ledger()
-            .get(key)
-            .map(|c| c.committed())
-            .unwrap_or_default()
-    }
-
-    fn reserved(&self, key: &CounterKey) -> Amount {
-        self.ledger()
-            .get(key)
-            .map(|c| c.reserved())
-            .unwrap_or_default()
-    }
-
-    fn audit_text(&self) -> String {
-        std::fs::read_to_string(&self.audit_path).unwrap_or_default()
-    }
-
-    /// The audit record of `request_id`, waiting (bounded) for the writer thread to flush it.
-    async fn audit(&self, request_id: &str) -> Value {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            for line in self.audit_text().lines() {
-                if let Ok(v) = serde_json::from_str::<Value>(line) {
-                    if v["request_id"] == request_id {
-                        return v;
-                    }
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "no audit record for {request_id}:\n{}",
-                self.audit_text()
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-
-    async fn stop(self) {
-        tokio::time::timeout(Duration::from_secs(10), self.running.shutdown())
-            .await
-            .expect("sidecar shuts down");
-    }
-}
 
 fn now_ms() -> i64 {
     jiff::Timestamp::now().as_millisecond()
@@ -1057,15 +958,10 @@ async fn raw_chunked_post(addr: std::net::SocketAddr, path: &str, body: &[u8]) -
 /// first 1 MB, a pause (the sidecar may answer early, as soon as it sees the Content-Length),
 /// then the other 9 MB, then read the answer. A reader runs all along.
 ///
-/// SUSPECTED BUG (src/proxy/handler.rs, `governed`, the `declared.is_some_and(|n| n > limit)`
-/// early return): the sidecar answers 413 without reading the rest of the body; hyper then
-/// closes the connection with unread request bytes in the socket, the kernel sends RST, and
-/// the client's further writes fail with EPIPE / ECONNRESET. Real clients (httpx under the
-/// OpenAI Python SDK, hyper, requests) write the whole body before reading, so they report a
-/// connection error instead of the 413 — and SDKs retry connection errors. With the hyper
-/// client of `tests/common`, 1 in 8 to 1 in 2 such requests failed this way depending on load.
-/// Expected: drain and discard the body (bounded, e.g. a size cap and a short deadline) before
-/// closing, or half-close and linger like nginx's `lingering_close`, so the 413 is delivered.
+/// Answering 413 without reading the rest of the body would make hyper close the connection
+/// with unread bytes in the socket (RST): clients that write the whole body before reading
+/// (httpx under the OpenAI SDK, hyper) would see a connection error — and retry it. The
+/// sidecar drains an oversized body (bounded) before answering, so the 413 arrives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_megabyte_body_gets_a_413_not_a_reset() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -1106,8 +1002,10 @@ async fn ten_megabyte_body_gets_a_413_not_a_reset() {
             }
         }
     }
-    let _ = wr.shutdown().await;
+    // Keep the write half open while reading, as HTTP clients do: a half-close (FIN) is read
+    // by the server as the client going away (which is how a disconnect cancels the upstream).
     let (out, read_result) = reader.await.unwrap();
+    drop(wr);
     let text = String::from_utf8_lossy(&out).into_owned();
     let status_line = text.lines().next().unwrap_or("").to_string();
 

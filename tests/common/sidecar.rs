@@ -1,0 +1,110 @@
+//! A real sidecar on port 0 with a JSONL audit trail in a temp dir, for integration tests.
+#![allow(dead_code)]
+
+use serde_json::Value;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tollgate::audit::Audit;
+use tollgate::estimate::Tokenizer;
+use tollgate::ledger::CounterKey;
+use tollgate::proxy::{self, Options, Running, Snapshot};
+use tollgate::units::Amount;
+
+/// A running sidecar with a JSONL audit trail in a temp dir (the audit is how the eight fields
+/// of a *successful* response are checked: a served answer carries no `tollgate` object).
+pub struct Sidecar {
+    pub running: Running,
+    pub base: String,
+    pub audit_path: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Sidecar {
+    pub async fn start(yaml: &str) -> Sidecar {
+        let policy = tollgate::policy::from_str(yaml, "test.yaml")
+            .unwrap_or_else(|e| panic!("policy: {e}\n{yaml}"));
+        let snap = Snapshot::build(policy).expect("snapshot");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let audit_path = dir.path().join("audit.jsonl");
+        let (audit, _writer) = Audit::jsonl(audit_path.clone(), 4096).expect("audit");
+        let running = proxy::start(
+            snap,
+            audit,
+            Options {
+                listen: Some("127.0.0.1:0".parse().unwrap()),
+                admin_listen: Some("127.0.0.1:0".parse().unwrap()),
+            },
+        )
+        .await
+        .expect("start sidecar");
+        let base = format!("http://{}/v1", running.addr);
+        Sidecar {
+            running,
+            base,
+            audit_path,
+            _dir: dir,
+        }
+    }
+
+    pub fn chat_url(&self) -> String {
+        format!("{}/chat/completions", self.base)
+    }
+
+    pub fn ledger(&self) -> &tollgate::ledger::Ledger {
+        &self.running.app.governor.ledger
+    }
+
+    pub fn tokenizer(&self) -> Tokenizer {
+        self.running.app.snap.load().policy.estimate.tokenizer
+    }
+
+    /// Committed amount on a counter (zero when it does not exist).
+    pub fn committed(&self, key: &CounterKey) -> Amount {
+        self.ledger()
+            .get(key)
+            .map(|c| c.committed())
+            .unwrap_or_default()
+    }
+
+    pub fn reserved(&self, key: &CounterKey) -> Amount {
+        self.ledger()
+            .get(key)
+            .map(|c| c.reserved())
+            .unwrap_or_default()
+    }
+
+    pub fn audit_text(&self) -> String {
+        std::fs::read_to_string(&self.audit_path).unwrap_or_default()
+    }
+
+    /// The audit record of `request_id`, waiting (bounded) for the writer thread to flush it.
+    pub async fn audit(&self, request_id: &str) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            for line in self.audit_text().lines() {
+                if let Ok(v) = serde_json::from_str::<Value>(line) {
+                    if v["request_id"] == request_id {
+                        return v;
+                    }
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no audit record for {request_id}:\n{}",
+                self.audit_text()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    pub fn circuit(&self, id: &str) -> Arc<tollgate::governor::Circuit> {
+        self.running.app.governor.circuit(&Arc::from(id))
+    }
+
+    pub async fn stop(self) {
+        tokio::time::timeout(Duration::from_secs(10), self.running.shutdown())
+            .await
+            .expect("sidecar shuts down");
+    }
+}
