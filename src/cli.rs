@@ -118,6 +118,13 @@ pub async fn serve(path: &std::path::Path) -> u8 {
         }
     };
     crate::estimate::warm_up_for(snap.policy.estimate.tokenizer);
+    if snap.policy.state.backend != crate::policy::StateBackend::Memory {
+        tracing::warn!(
+            backend = ?snap.policy.state.backend,
+            "state.backend: only `memory` is available in this build; counters live in memory \
+             and do not survive a restart"
+        );
+    }
     let (audit, writer) = match start_audit(&snap.policy) {
         Ok(a) => a,
         Err(e) => {

@@ -2,7 +2,7 @@
 //! derived from it that needs the environment (upstream keys, virtual keys) or would be
 //! wasteful to compute per request. Swapped whole, atomically, on reload.
 
-use crate::policy::{self, Policy};
+use crate::policy::{self, BackendKind, Policy};
 use bytes::Bytes;
 use http::HeaderValue;
 use std::fmt;
@@ -64,6 +64,18 @@ impl Snapshot {
             keys.push(key.map(|k| Secret(Arc::from(k))));
             bearer.push(header);
         }
+        for b in policy
+            .backends
+            .iter()
+            .filter(|b| b.kind != BackendKind::Openai)
+        {
+            tracing::warn!(
+                backend = %b.id,
+                kind = b.kind.as_str(),
+                "native wire formats are not available in this build: the backend is skipped \
+                 (point it at the provider's OpenAI-compatible endpoint with kind: openai)"
+            );
+        }
         let mut virtual_keys = Vec::new();
         for vk in &policy.identity.virtual_keys {
             match std::env::var(&vk.key_env) {
@@ -94,10 +106,11 @@ impl Snapshot {
         })
     }
 
-    /// Whether the backend at `idx` can be called (its key, if it needs one, is set).
+    /// Whether the backend at `idx` can be called: its key, if it needs one, is set, and its
+    /// wire format is one this build speaks (OpenAI-compatible only, for now).
     pub fn eligible(&self, idx: usize) -> bool {
         let b = &self.policy.backends[idx];
-        b.api_key_env.is_none() || self.keys[idx].is_some()
+        b.kind == BackendKind::Openai && (b.api_key_env.is_none() || self.keys[idx].is_some())
     }
 }
 
