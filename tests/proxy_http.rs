@@ -21,8 +21,7 @@ use bytes::Bytes;
 use common::mock::{Answer, MockUpstream};
 use common::sidecar::Sidecar;
 use common::{get, json, post_json};
-use http::{HeaderMap, Method, Request};
-use http_body_util::{BodyExt, Full};
+use http::{HeaderMap, Method};
 use serde_json::{json as j, Value};
 use tollgate::estimate::{self, Endpoint, Tokenizer};
 use tollgate::governor::CircuitState;
@@ -81,38 +80,6 @@ fn chat_with_input_tokens(
         words += target as i64 - e as i64;
     }
     panic!("could not build a prompt of exactly {target} tokens");
-}
-
-/// POST arbitrary bytes (invalid JSON, huge bodies).
-async fn post_raw(
-    url: &str,
-    body: Bytes,
-    headers: &[(&str, &str)],
-) -> Result<(u16, HeaderMap, Bytes), String> {
-    let mut b = Request::builder()
-        .method(Method::POST)
-        .uri(url)
-        .header("content-type", "application/json");
-    for (n, v) in headers {
-        b = b.header(*n, *v);
-    }
-    let req = b.body(Full::new(body)).unwrap();
-    let fut = async {
-        let resp = common::client()
-            .request(req)
-            .await
-            .map_err(|e| format!("request error: {e:?}"))?;
-        let (parts, body) = resp.into_parts();
-        let bytes = body
-            .collect()
-            .await
-            .map_err(|e| format!("body error: {e:?}"))?
-            .to_bytes();
-        Ok((parts.status.as_u16(), parts.headers, bytes))
-    };
-    tokio::time::timeout(Duration::from_secs(30), fut)
-        .await
-        .map_err(|_| "timed out".to_string())?
 }
 
 /// The headers every governed response carries (SPEC §3).
@@ -659,7 +626,7 @@ async fn bad_input_is_a_clear_error_and_the_process_keeps_serving() {
     let url = sc.chat_url();
 
     // Invalid JSON.
-    let (s, h, b) = post_raw(
+    let (s, h, b) = common::try_post_raw(
         &url,
         Bytes::from_static(b"{\"model\": \"chat\", \"messages\": ["),
         &[],
@@ -673,7 +640,7 @@ async fn bad_input_is_a_clear_error_and_the_process_keeps_serving() {
     assert_eq!(hdr(&h, "x-tollgate-reason"), "BAD_REQUEST");
 
     // JSON, but not an object.
-    let (s, h, b) = post_raw(&url, Bytes::from_static(b"[1,2,3]"), &[])
+    let (s, h, b) = common::try_post_raw(&url, Bytes::from_static(b"[1,2,3]"), &[])
         .await
         .unwrap();
     assert_bad(s, &h, &b, 400);
@@ -729,7 +696,7 @@ async fn bad_input_is_a_clear_error_and_the_process_keeps_serving() {
     let over =
         j!({"model": "chat", "messages": [{"role": "user", "content": "x".repeat(80 * 1024)}]});
     let over = Bytes::from(serde_json::to_vec(&over).unwrap());
-    let (s, h, b) = post_raw(&url, over.clone(), &[])
+    let (s, h, b) = common::try_post_raw(&url, over.clone(), &[])
         .await
         .expect("a 413 answer");
     let v = assert_bad(s, &h, &b, 413);
@@ -974,8 +941,22 @@ async fn ten_megabyte_body_gets_a_413_not_a_reset() {
     let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
     let (mut rd, mut wr) = stream.into_split();
     let reader = tokio::spawn(async move {
+        // Read one whole response (head + content-length bytes): the connection stays open.
         let mut out = Vec::new();
-        let r = tokio::time::timeout(Duration::from_secs(20), rd.read_to_end(&mut out)).await;
+        let r = tokio::time::timeout(Duration::from_secs(20), async {
+            let mut buf = [0u8; 8192];
+            loop {
+                if response_complete(&out) {
+                    return Ok(out.len());
+                }
+                match rd.read(&mut buf).await {
+                    Ok(0) => return Ok(out.len()),
+                    Ok(n) => out.extend_from_slice(&buf[..n]),
+                    Err(e) => return Err(e),
+                }
+            }
+        })
+        .await;
         (out, format!("{r:?}"))
     });
     let head = format!(
@@ -1315,4 +1296,22 @@ routes:
     assert_eq!(native.hits(), 0, "nothing sent to the native API");
     assert_eq!(openai.hits(), 1);
     sc.stop().await;
+}
+
+/// Whether `raw` holds a whole HTTP/1.1 response with a content-length body.
+fn response_complete(raw: &[u8]) -> bool {
+    let text = String::from_utf8_lossy(raw);
+    let Some(end) = text.find("\r\n\r\n") else {
+        return false;
+    };
+    let len = text[..end]
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("content-length:")
+                .map(|v| v.trim().to_string())
+        })
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(0);
+    raw.len() >= end + 4 + len
 }

@@ -77,11 +77,4 @@ impl Governor {
             rec.reason_class.note(ReasonClass::SoftBudgetExceeded);
         }
     }
-
-    /// A served call ended with nothing usable to count (e.g. cancelled before any byte):
-    /// the reservation is released and the record says so.
-    pub fn abandon(&self, rec: &mut Record, pending: Pending) {
-        drop(pending);
-        rec.usage_evidence_state = UsageEvidence::None;
-    }
 }

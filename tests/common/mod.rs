@@ -30,6 +30,17 @@ fn build_request(
     body: Option<&serde_json::Value>,
     headers: &[(&str, &str)],
 ) -> Request<Full<Bytes>> {
+    let bytes = body.map(|v| Bytes::from(serde_json::to_vec(v).unwrap()));
+    build_raw(method, url, bytes, headers)
+}
+
+/// A request with raw body bytes; `content-type: application/json` unless a header says otherwise.
+fn build_raw(
+    method: Method,
+    url: &str,
+    body: Option<Bytes>,
+    headers: &[(&str, &str)],
+) -> Request<Full<Bytes>> {
     let mut b = Request::builder().method(method).uri(url);
     let has_ct = headers
         .iter()
@@ -40,11 +51,8 @@ fn build_request(
     for (n, v) in headers {
         b = b.header(*n, *v);
     }
-    let bytes = match body {
-        Some(v) => Bytes::from(serde_json::to_vec(v).unwrap()),
-        None => Bytes::new(),
-    };
-    b.body(Full::new(bytes)).expect("valid request")
+    b.body(Full::new(body.unwrap_or_default()))
+        .expect("valid request")
 }
 
 /// Send a request with `client`; Err(description) on any transport/body error or timeout.
@@ -55,7 +63,28 @@ pub async fn try_send_with(
     body: Option<&serde_json::Value>,
     headers: &[(&str, &str)],
 ) -> Result<(u16, HeaderMap, Bytes), String> {
-    let req = build_request(method, url, body, headers);
+    send(client, build_request(method, url, body, headers), url).await
+}
+
+/// POST arbitrary bytes (invalid JSON, huge bodies); Err on a transport error or timeout.
+pub async fn try_post_raw(
+    url: &str,
+    body: Bytes,
+    headers: &[(&str, &str)],
+) -> Result<(u16, HeaderMap, Bytes), String> {
+    send(
+        &client(),
+        build_raw(Method::POST, url, Some(body), headers),
+        url,
+    )
+    .await
+}
+
+async fn send(
+    client: &HttpClient,
+    req: Request<Full<Bytes>>,
+    url: &str,
+) -> Result<(u16, HeaderMap, Bytes), String> {
     let fut = async {
         let resp = client
             .request(req)
