@@ -10,6 +10,7 @@ pub mod estimate;
 pub mod governor;
 pub mod ledger;
 pub mod policy;
+pub mod providers;
 pub mod proxy;
 pub mod scenario;
 pub mod stream;

@@ -187,6 +187,24 @@ impl Circuit {
         drop(probe);
     }
 
+    /// A failure that says the backend is out for a long time (a per-day quota used up):
+    /// opens the circuit now, held for at least `hold_ms` when `accept_retry_after` is on.
+    pub fn open_for(&self, now: Millis, cfg: &CircuitCfg, probe: Option<ProbeSlot>, hold_ms: i64) {
+        self.failures.fetch_add(1, Ordering::AcqRel);
+        let mut hold = cfg.recovery_timeout.as_millis() as i64;
+        if cfg.accept_retry_after {
+            hold = hold.max(hold_ms);
+        }
+        let until = now.saturating_add(hold);
+        if self.raw_state() != CircuitState::Open {
+            self.opened_at.store(now, Ordering::Release);
+        }
+        self.open_until.fetch_max(until, Ordering::AcqRel);
+        self.state
+            .store(CircuitState::Open as u8, Ordering::Release);
+        drop(probe);
+    }
+
     /// A call failed. Returns true when this failure opened the circuit.
     /// `retry_after_ms` extends the open time when the policy accepts Retry-After.
     pub fn on_failure(

@@ -5,7 +5,7 @@
 use super::circuit::{Admission, CircuitState};
 use super::plan::{self, PartInfo, Who};
 use super::record::*;
-use super::upstream::{CallResult, CallSpec, Clock, FailureClass, Upstream};
+use super::upstream::{CallResult, CallSpec, Clock, FailureClass, Skip, Upstream};
 use super::{Governor, Outcome, Pending, RequestCtx, Served};
 use crate::ledger::WindowSet;
 use crate::policy::{BoundClass, Policy, Route};
@@ -230,6 +230,7 @@ impl Governor {
                 // The call.
                 attempt_no += 1;
                 sum_worst = sum_worst.saturating_add(amount.tokens);
+                let made_retry_before = walk.made_retry;
                 if walk.any_failure {
                     walk.made_retry = true;
                 }
@@ -315,9 +316,43 @@ impl Governor {
                             served: Served::Passthrough { payload },
                         };
                     }
+                    CallResult::Skipped(why) => {
+                        // No call was made: undo what making it took, and move on.
+                        drop(reservation);
+                        drop(probe);
+                        rec.calls.pop();
+                        walk.made_retry = made_retry_before;
+                        attempt_no -= 1;
+                        sum_worst = sum_worst.saturating_sub(amount.tokens);
+                        job.return_attempt();
+                        if is_fallback {
+                            job.return_fallback();
+                        }
+                        att.attempt = 0;
+                        att.outcome = why.as_str();
+                        rec.attempts.push(att);
+                        match why {
+                            Skip::Saturated => {
+                                rec.reason_class.note(ReasonClass::UpstreamFailure);
+                                walk.hint(backoff_ms(policy, 0));
+                            }
+                            Skip::Untranslatable => {
+                                rec.reason_class.note(ReasonClass::ModelIneligible)
+                            }
+                        }
+                        if ei == 0 {
+                            walk.fallback_needed = true;
+                        }
+                        continue 'chain;
+                    }
                     CallResult::Failed(f) => {
                         drop(reservation);
-                        circuit.on_failure(t1, &backend.circuit, probe, f.retry_after_ms);
+                        if f.long_outage {
+                            let hold = f.retry_after_ms.unwrap_or(0);
+                            circuit.open_for(t1, &backend.circuit, probe, hold);
+                        } else {
+                            circuit.on_failure(t1, &backend.circuit, probe, f.retry_after_ms);
+                        }
                         att.outcome = f.class.as_str();
                         att.status = f.status;
                         att.retry_after_ms = f.retry_after_ms;

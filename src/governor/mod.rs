@@ -15,7 +15,9 @@ mod tests;
 pub use circuit::{Admission, Circuit, CircuitState};
 pub use record::*;
 pub use settle::Usage;
-pub use upstream::{CallResult, CallSpec, Clock, Failure, FailureClass, SystemClock, Upstream};
+pub use upstream::{
+    CallResult, CallSpec, Clock, Failure, FailureClass, Skip, SystemClock, Upstream,
+};
 
 use crate::ledger::{Ledger, Reservation, WindowSet};
 use arc_swap::ArcSwapOption;

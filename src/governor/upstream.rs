@@ -52,6 +52,9 @@ pub struct Failure {
     pub status: Option<u16>,
     /// The upstream's Retry-After (any of its spellings), ms.
     pub retry_after_ms: Option<i64>,
+    /// The backend will not serve for a long time (a per-day quota is used up): its circuit
+    /// opens at once, for at least `retry_after_ms`, instead of counting one failure.
+    pub long_outage: bool,
 }
 
 impl Failure {
@@ -77,13 +80,36 @@ pub enum CallResult<T> {
         status: u16,
     },
     Failed(Failure),
+    /// No call was made: the backend cannot take this request now (it is at its
+    /// `max_in_flight`, or the request cannot be expressed in its wire format). Not the
+    /// backend's fault: no circuit failure, no attempt spent; the chain moves on.
+    Skipped(Skip),
+}
+
+/// Why the transport made no call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Skip {
+    /// The backend is at its `max_in_flight`: spill over now, the backend is merely busy.
+    Saturated,
+    /// The request cannot be expressed in the backend's wire format.
+    Untranslatable,
+}
+
+impl Skip {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Skip::Saturated => "saturated",
+            Skip::Untranslatable => "untranslatable",
+        }
+    }
 }
 
 /// The upstream transport.
 pub trait Upstream: Sync {
     type Payload: Send;
 
-    /// Whether a backend (at `index` in the policy) can be called at all (its key is set).
+    /// Whether a backend (at `index` in the policy) can be called at all for this request (its
+    /// key is set, it serves the endpoint, it has room).
     fn eligible(&self, index: usize, backend: &Backend) -> bool;
 
     fn call(&self, spec: CallSpec<'_>) -> impl Future<Output = CallResult<Self::Payload>> + Send;

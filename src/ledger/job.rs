@@ -46,6 +46,13 @@ impl JobLedger {
         take(&self.fallbacks, max)
     }
 
+    /// Gives back an attempt taken for a call that was then not made (the transport skipped it).
+    pub fn return_attempt(&self) {
+        let _ = self
+            .attempts
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_sub(1));
+    }
+
     /// Gives back a fallback slot taken for an attempt that was then not made.
     pub fn return_fallback(&self) {
         let _ = self

@@ -232,6 +232,7 @@ async fn governed(
         transport: &app.transport,
         snap: &snap,
         endpoint,
+        request_id: &ctx.request_id,
         body: &body,
         client_headers: &parts.headers,
         stream: est.stream,
@@ -250,6 +251,8 @@ async fn governed(
                 headers,
                 body,
                 deadline,
+                translate,
+                permit,
             } = payload;
             match body {
                 UpBody::Buffered(b) => {
@@ -261,6 +264,13 @@ async fn governed(
                     resp
                 }
                 UpBody::Stream(incoming) => {
+                    // A translated native stream always ends with a usage chunk: hide it
+                    // unless the client asked for it.
+                    let hide_usage = if translate.is_some() {
+                        !est.include_usage
+                    } else {
+                        call.add_include_usage
+                    };
                     let tail = stream::Tail {
                         governor: app.governor.clone(),
                         snap: snap.clone(),
@@ -271,10 +281,11 @@ async fn governed(
                         input_tokens: est.input_tokens,
                         max_output_total: rec.upstream_max_tokens.unwrap_or(0)
                             * u64::from(est.n.max(1)),
-                        hide_usage: call.add_include_usage,
+                        hide_usage,
                         started: t0,
+                        permit,
                     };
-                    let body = stream::metered(incoming, tail, deadline);
+                    let body = stream::metered(incoming, translate, tail, deadline);
                     upstream_response(status, &headers, body, &rec, &snap)
                 }
             }

@@ -5,7 +5,6 @@ pub mod admin;
 pub mod handler;
 pub mod identity;
 pub mod respond;
-pub mod retry_after;
 pub mod server;
 pub mod snapshot;
 pub mod stream;

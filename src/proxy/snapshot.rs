@@ -2,9 +2,10 @@
 //! derived from it that needs the environment (upstream keys, virtual keys) or would be
 //! wasteful to compute per request. Swapped whole, atomically, on reload.
 
-use crate::policy::{self, BackendKind, Policy};
+use crate::policy::{self, Policy};
+use crate::providers;
 use bytes::Bytes;
-use http::HeaderValue;
+use http::{HeaderName, HeaderValue};
 use std::fmt;
 use std::sync::Arc;
 
@@ -29,8 +30,8 @@ pub struct Snapshot {
     pub policy: Policy,
     /// Per backend index: the key from `api_key_env`, when set.
     pub keys: Vec<Option<Secret>>,
-    /// Per backend index: `Authorization: Bearer <key>`, marked sensitive.
-    pub bearer: Vec<Option<HeaderValue>>,
+    /// Per backend index: the auth headers its provider wants (values marked sensitive).
+    pub auth: Vec<Vec<(HeaderName, HeaderValue)>>,
     /// Virtual keys: (key bytes, consumer id).
     pub virtual_keys: Vec<(Secret, Arc<str>)>,
     pub version_header: HeaderValue,
@@ -41,40 +42,21 @@ pub struct Snapshot {
 impl Snapshot {
     pub fn build(policy: Policy) -> Result<Snapshot, String> {
         let mut keys = Vec::with_capacity(policy.backends.len());
-        let mut bearer = Vec::with_capacity(policy.backends.len());
+        let mut auth = Vec::with_capacity(policy.backends.len());
         for b in &policy.backends {
             let key = b
                 .api_key_env
                 .as_ref()
                 .and_then(|name| std::env::var(name).ok())
                 .filter(|k| !k.is_empty());
-            let header = match &key {
-                Some(k) => {
-                    let mut v = HeaderValue::from_str(&format!("Bearer {k}")).map_err(|_| {
-                        format!(
-                            "backend {}: the key in its api_key_env is not a valid header value",
-                            b.id
-                        )
-                    })?;
-                    v.set_sensitive(true);
-                    Some(v)
-                }
-                None => None,
+            let headers = match &key {
+                Some(k) => providers::for_kind(b.kind)
+                    .auth_headers(k)
+                    .map_err(|e| format!("backend {}: api_key_env: {e}", b.id))?,
+                None => Vec::new(),
             };
             keys.push(key.map(|k| Secret(Arc::from(k))));
-            bearer.push(header);
-        }
-        for b in policy
-            .backends
-            .iter()
-            .filter(|b| b.kind != BackendKind::Openai)
-        {
-            tracing::warn!(
-                backend = %b.id,
-                kind = b.kind.as_str(),
-                "native wire formats are not available in this build: the backend is skipped \
-                 (point it at the provider's OpenAI-compatible endpoint with kind: openai)"
-            );
+            auth.push(headers);
         }
         let mut virtual_keys = Vec::new();
         for vk in &policy.identity.virtual_keys {
@@ -99,18 +81,17 @@ impl Snapshot {
         Ok(Snapshot {
             policy,
             keys,
-            bearer,
+            auth,
             virtual_keys,
             version_header,
             models_body,
         })
     }
 
-    /// Whether the backend at `idx` can be called: its key, if it needs one, is set, and its
-    /// wire format is one this build speaks (OpenAI-compatible only, for now).
+    /// Whether the backend at `idx` can be called: its key, if it needs one, is set.
     pub fn eligible(&self, idx: usize) -> bool {
         let b = &self.policy.backends[idx];
-        b.kind == BackendKind::Openai && (b.api_key_env.is_none() || self.keys[idx].is_some())
+        b.api_key_env.is_none() || self.keys[idx].is_some()
     }
 }
 

@@ -4,8 +4,10 @@
 
 use super::respond::{Body, BoxError};
 use super::snapshot::Snapshot;
+use super::transport::InFlight;
 use crate::audit::{Audit, Entry};
 use crate::governor::{BudgetState, Governor, Pending, ReasonClass, Record, UsageEvidence};
+use crate::providers::StreamTranslator;
 use crate::stream::SseMeter;
 use bytes::Bytes;
 use http_body::{Body as HttpBody, Frame, SizeHint};
@@ -30,6 +32,8 @@ pub struct Tail {
     pub max_output_total: u64,
     pub hide_usage: bool,
     pub started: Instant,
+    /// The backend's in-flight slot: given back when the stream ends.
+    pub permit: Option<InFlight>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,6 +47,8 @@ enum End {
 
 struct Metered {
     inner: Incoming,
+    /// Reshapes a native stream into OpenAI chunks before the meter reads them.
+    translate: Option<Box<dyn StreamTranslator>>,
     meter: SseMeter,
     tail: Option<Tail>,
     deadline: Pin<Box<tokio::time::Sleep>>,
@@ -52,10 +58,16 @@ struct Metered {
 }
 
 /// Wraps an upstream stream body.
-pub fn metered(inner: Incoming, tail: Tail, deadline: Instant) -> Body {
+pub fn metered(
+    inner: Incoming,
+    translate: Option<Box<dyn StreamTranslator>>,
+    tail: Tail,
+    deadline: Instant,
+) -> Body {
     let meter = SseMeter::new(tail.snap.policy.estimate.tokenizer, tail.hide_usage);
     Metered {
         inner,
+        translate,
         meter,
         tail: Some(tail),
         deadline: Box::pin(tokio::time::sleep_until(deadline.into())),
@@ -88,8 +100,10 @@ impl Metered {
             mut record,
             input_tokens,
             started,
+            permit,
             ..
         } = tail;
+        drop(permit);
         let policy = &snap.policy;
         let (usage, actual) = self.meter.usage_or_count(input_tokens);
         let evidence = match end {
@@ -177,7 +191,34 @@ impl HttpBody for Metered {
             }
             match Pin::new(&mut this.inner).poll_frame(cx) {
                 Poll::Pending => return Poll::Pending,
-                Poll::Ready(None) => return this.finish_with(End::Complete, None),
+                Poll::Ready(None) => {
+                    let Some(tr) = this.translate.as_mut() else {
+                        return this.finish_with(End::Complete, None);
+                    };
+                    let mut out = Vec::new();
+                    tr.finish(&mut out);
+                    let end = if tr.failed() {
+                        End::UpstreamError
+                    } else {
+                        End::Complete
+                    };
+                    let sent = this.meter.feed(&Bytes::from(out));
+                    if !sent.is_empty() {
+                        this.last = Some(sent);
+                    }
+                    let rest = this.finish_with(end, None);
+                    return match (this.last.take(), rest) {
+                        (Some(b), Poll::Ready(Some(Ok(f)))) => {
+                            let mut all = b.to_vec();
+                            if let Ok(d) = f.into_data() {
+                                all.extend_from_slice(&d);
+                            }
+                            Poll::Ready(Some(Ok(Frame::data(Bytes::from(all)))))
+                        }
+                        (Some(b), _) => Poll::Ready(Some(Ok(Frame::data(b)))),
+                        (None, rest) => rest,
+                    };
+                }
                 Poll::Ready(Some(Err(e))) => {
                     tracing::warn!(error = %e, "upstream stream broke");
                     let ev =
@@ -188,7 +229,26 @@ impl HttpBody for Metered {
                     let Ok(data) = frame.into_data() else {
                         continue;
                     };
+                    let (data, native_error) = match this.translate.as_mut() {
+                        None => (data, false),
+                        Some(tr) => {
+                            let mut out = Vec::new();
+                            tr.feed(&data, &mut out);
+                            (Bytes::from(out), tr.failed())
+                        }
+                    };
                     let out = this.meter.feed(&data);
+                    if native_error {
+                        // The provider reported an error inside its stream; its OpenAI error
+                        // event is in `out`. End here: partial usage, a circuit failure.
+                        let _ = this.meter.flush();
+                        this.settle(End::UpstreamError);
+                        this.ended = true;
+                        if out.is_empty() {
+                            continue;
+                        }
+                        return Poll::Ready(Some(Ok(Frame::data(out))));
+                    }
                     let bound = this
                         .tail
                         .as_ref()

@@ -3,11 +3,13 @@
 //! what the governor understands. The upstream URL comes only from the policy.
 
 use super::respond::is_hop_by_hop;
-use super::retry_after;
 use super::snapshot::Snapshot;
 use crate::estimate::Endpoint;
-use crate::governor::{CallResult, CallSpec, Failure, FailureClass, Upstream};
+use crate::governor::{CallResult, CallSpec, Failure, FailureClass, Skip, Upstream};
 use crate::policy::Backend;
+use crate::providers::{
+    self, retry_after, BuildCtx, Envelope, ErrorHint, Provider, StreamTranslator, Untranslatable,
+};
 use bytes::Bytes;
 use dashmap::DashMap;
 use http::{HeaderMap, HeaderValue, Method, Request, StatusCode};
@@ -16,9 +18,10 @@ use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
-use serde::ser::{Serialize, SerializeMap, Serializer};
 use serde_json::Value;
 use std::future::Future;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 type HttpClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
@@ -32,6 +35,8 @@ const MAX_ERROR_BODY: usize = 256 * 1024;
 #[derive(Default)]
 pub struct Transport {
     clients: DashMap<u64, HttpClient>,
+    /// Calls in flight per backend id, for backends with `max_in_flight`.
+    in_flight: DashMap<Arc<str>, Arc<AtomicU32>>,
 }
 
 impl std::fmt::Debug for Transport {
@@ -75,14 +80,27 @@ impl Transport {
     }
 }
 
-/// An upstream answer the governor accepted or passed through.
-#[derive(Debug)]
+/// An upstream answer the governor accepted or passed through, already in the OpenAI shape
+/// for buffered bodies; a native stream carries the translator that reshapes it on the way.
 pub struct UpstreamResponse {
     pub status: StatusCode,
     pub headers: HeaderMap,
     pub body: UpBody,
     /// When the total timeout runs out.
     pub deadline: Instant,
+    /// Turns a native stream into OpenAI chunks (`None`: already OpenAI SSE).
+    pub translate: Option<Box<dyn StreamTranslator>>,
+    /// The backend's in-flight slot, held until the answer is fully read.
+    pub permit: Option<InFlight>,
+}
+
+impl std::fmt::Debug for UpstreamResponse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamResponse")
+            .field("status", &self.status)
+            .field("translated", &self.translate.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 #[derive(Debug)]
@@ -91,63 +109,67 @@ pub enum UpBody {
     Stream(Incoming),
 }
 
+/// One call in flight on a backend with `max_in_flight`; given back on drop.
+#[derive(Debug)]
+pub struct InFlight(Arc<AtomicU32>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Transport {
+    fn in_flight_cell(&self, backend: &Backend) -> Arc<AtomicU32> {
+        if let Some(c) = self.in_flight.get(&backend.id) {
+            return c.clone();
+        }
+        self.in_flight
+            .entry(backend.id.clone())
+            .or_insert_with(|| Arc::new(AtomicU32::new(0)))
+            .clone()
+    }
+
+    /// Whether the backend has room for one more call now (no limit: always).
+    pub fn has_room(&self, backend: &Backend) -> bool {
+        match backend.max_in_flight {
+            None => true,
+            Some(max) => self.in_flight_cell(backend).load(Ordering::Acquire) < max,
+        }
+    }
+
+    /// Takes a slot if the backend has room; `Ok(None)` when it has no limit.
+    fn take_slot(&self, backend: &Backend) -> Result<Option<InFlight>, ()> {
+        let Some(max) = backend.max_in_flight else {
+            return Ok(None);
+        };
+        let cell = self.in_flight_cell(backend);
+        cell.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+            (v < max).then_some(v + 1)
+        })
+        .map(|_| Some(InFlight(cell)))
+        .map_err(|_| ())
+    }
+
+    /// Calls in flight on a backend (for status and tests).
+    pub fn in_flight(&self, backend_id: &str) -> u32 {
+        self.in_flight
+            .get(backend_id)
+            .map_or(0, |c| c.load(Ordering::Acquire))
+    }
+}
+
 /// One request's view of the transport: what to send for each attempt.
 pub struct Call<'a> {
     pub transport: &'a Transport,
     pub snap: &'a Snapshot,
     pub endpoint: Endpoint,
+    pub request_id: &'a str,
     pub body: &'a serde_json::Map<String, Value>,
     pub client_headers: &'a HeaderMap,
     pub stream: bool,
     /// Ask the upstream for the usage chunk (the client did not).
     pub add_include_usage: bool,
-}
-
-/// The client's body with this attempt's model, output cap and stream options, serialized
-/// without copying the (possibly large) rest of it.
-struct Rewritten<'a> {
-    body: &'a serde_json::Map<String, Value>,
-    model: &'a str,
-    cap: Option<(&'static str, u64)>,
-    include_usage: bool,
-}
-
-impl Serialize for Rewritten<'_> {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let mut m = s.serialize_map(None)?;
-        let cap_key = self.cap.map(|(k, _)| k);
-        for (k, v) in self.body {
-            match k.as_str() {
-                "model" => continue,
-                "max_tokens" | "max_completion_tokens" if cap_key.is_some() => continue,
-                "stream_options" if self.include_usage => continue,
-                _ => m.serialize_entry(k, v)?,
-            }
-        }
-        m.serialize_entry("model", self.model)?;
-        if let Some((k, v)) = self.cap {
-            m.serialize_entry(k, &v)?;
-        }
-        if self.include_usage {
-            let mut opts = self
-                .body
-                .get("stream_options")
-                .and_then(Value::as_object)
-                .cloned()
-                .unwrap_or_default();
-            opts.insert("include_usage".into(), Value::Bool(true));
-            m.serialize_entry("stream_options", &opts)?;
-        }
-        m.end()
-    }
-}
-
-fn path_of(e: Endpoint) -> &'static str {
-    match e {
-        Endpoint::Chat => "/chat/completions",
-        Endpoint::Completions => "/completions",
-        Endpoint::Embeddings => "/embeddings",
-    }
 }
 
 /// Client headers that never go upstream: hop-by-hop, credentials, our own.
@@ -162,6 +184,8 @@ fn forwardable(name: &http::HeaderName) -> bool {
                 | "x-goog-api-key"
                 | "cookie"
                 | "accept-encoding"
+                | "content-length"
+                | "anthropic-version"
         )
         || n.starts_with("x-tollgate-")
         || n == "content-type")
@@ -176,34 +200,49 @@ fn failure(
         class,
         status,
         retry_after_ms,
+        long_outage: false,
     })
 }
 
+/// Headers of a body the sidecar rewrote: the upstream's length and type no longer apply.
+fn retype(headers: &mut HeaderMap, content_type: &'static str) {
+    headers.remove(http::header::CONTENT_LENGTH);
+    headers.remove(http::header::CONTENT_ENCODING);
+    headers.remove(http::header::TRANSFER_ENCODING);
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static(content_type),
+    );
+}
+
 impl Call<'_> {
+    fn envelope(&self, spec: &CallSpec<'_>) -> Envelope {
+        Envelope {
+            id: format!("chatcmpl-{}", self.request_id),
+            model: spec.model.to_string(),
+            created: jiff::Timestamp::now().as_second(),
+        }
+    }
+
     fn build(
         &self,
         spec: &CallSpec<'_>,
-        backend: &Backend,
-    ) -> Result<Request<Full<Bytes>>, String> {
-        let cap = match self.endpoint {
-            Endpoint::Embeddings => None,
-            // Keep the client's spelling; send the cap even when the client set none, so the
-            // reserved worst case is a bound the provider enforces.
-            Endpoint::Chat if self.body.contains_key("max_completion_tokens") => {
-                Some(("max_completion_tokens", spec.max_output_tokens))
-            }
-            _ => Some(("max_tokens", spec.max_output_tokens)),
-        };
-        let body = serde_json::to_vec(&Rewritten {
+        provider: &dyn Provider,
+    ) -> Result<Request<Full<Bytes>>, Untranslatable> {
+        let backend = spec.backend;
+        let native = provider.request(&BuildCtx {
+            base_url: &backend.base_url,
+            endpoint: self.endpoint,
             body: self.body,
             model: spec.model,
-            cap,
-            include_usage: self.add_include_usage,
-        })
-        .map_err(|e| e.to_string())?;
-        let url = format!("{}{}", backend.base_url, path_of(self.endpoint));
-        let mut req = Request::builder().method(Method::POST).uri(url);
-        let h = req.headers_mut().ok_or("bad request builder")?;
+            max_output_tokens: spec.max_output_tokens,
+            stream: self.stream,
+            add_include_usage: self.add_include_usage,
+        })?;
+        let mut req = Request::builder().method(Method::POST).uri(native.url);
+        let h = req
+            .headers_mut()
+            .ok_or_else(|| Untranslatable("bad request builder".into()))?;
         for (k, v) in self.client_headers {
             if forwardable(k) {
                 h.append(k.clone(), v.clone());
@@ -213,24 +252,31 @@ impl Call<'_> {
             http::header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
-        if let Some(auth) = &self.snap.bearer[spec.backend_index] {
-            h.insert(http::header::AUTHORIZATION, auth.clone());
+        for (k, v) in provider.fixed_headers() {
+            h.insert(*k, HeaderValue::from_static(v));
         }
-        req.body(Full::new(Bytes::from(body)))
-            .map_err(|e| e.to_string())
+        for (k, v) in &self.snap.auth[spec.backend_index] {
+            h.insert(k.clone(), v.clone());
+        }
+        req.body(Full::new(Bytes::from(native.body)))
+            .map_err(|e| Untranslatable(e.to_string()))
     }
 
     async fn attempt(&self, spec: CallSpec<'_>) -> CallResult<UpstreamResponse> {
         let backend = spec.backend;
+        let provider = providers::for_kind(backend.kind);
         let t = &backend.timeouts;
         let start = Instant::now();
         let deadline = start + t.total;
-        let req = match self.build(&spec, backend) {
+        let req = match self.build(&spec, provider) {
             Ok(r) => r,
             Err(e) => {
-                tracing::warn!(backend = %backend.id, error = %e, "cannot build upstream request");
-                return failure(FailureClass::Connect, None, None);
+                tracing::warn!(backend = %backend.id, error = %e, "request cannot be sent to this backend: skipped");
+                return CallResult::Skipped(Skip::Untranslatable);
             }
+        };
+        let Ok(permit) = self.transport.take_slot(backend) else {
+            return CallResult::Skipped(Skip::Saturated);
         };
         let client = self.transport.client(t.connect);
         let first_byte = t.first_byte.min(t.total);
@@ -242,55 +288,100 @@ impl Call<'_> {
         };
         let (parts, incoming) = resp.into_parts();
         let status = parts.status;
+        let mut headers = parts.headers;
         let now_ms = jiff::Timestamp::now().as_millisecond();
-        let header_delay = retry_after::from_headers(&parts.headers, now_ms);
+        let header_delay = retry_after::from_headers(&headers, now_ms);
         let class = match status.as_u16() {
             200..=299 => None,
             429 => Some(FailureClass::Throttled),
             401 | 403 => Some(FailureClass::Auth),
+            // 529 is Anthropic's overloaded_error.
             408 | 500..=599 => Some(FailureClass::Server),
             _ => {
-                // A client error: read it whole and pass it through unchanged.
+                // A client error: read it whole and pass it on, in OpenAI's error shape.
                 return match read_body(incoming, deadline, MAX_UPSTREAM_BODY).await {
-                    Ok(b) => CallResult::NotRetryable {
-                        payload: UpstreamResponse {
-                            status,
-                            headers: parts.headers,
-                            body: UpBody::Buffered(b),
-                            deadline,
-                        },
-                        status: status.as_u16(),
-                    },
+                    Ok(b) => {
+                        let body = match provider.error_body(status.as_u16(), &b) {
+                            Some(t) => {
+                                retype(&mut headers, "application/json");
+                                t
+                            }
+                            None => b,
+                        };
+                        CallResult::NotRetryable {
+                            payload: UpstreamResponse {
+                                status,
+                                headers,
+                                body: UpBody::Buffered(body),
+                                deadline,
+                                translate: None,
+                                permit: None,
+                            },
+                            status: status.as_u16(),
+                        }
+                    }
                     Err(class) => failure(class, Some(status.as_u16()), None),
                 };
             }
         };
         if let Some(class) = class {
             // Gemini puts the delay in the body (RetryInfo), not in a header.
-            let body_delay = match read_body(incoming, deadline, MAX_ERROR_BODY).await {
-                Ok(b) => retry_after::from_gemini_body(&b),
-                Err(_) => None,
+            let hint = match read_body(incoming, deadline, MAX_ERROR_BODY).await {
+                Ok(b) => provider.error_hint(status.as_u16(), &b, now_ms),
+                Err(_) => ErrorHint::default(),
             };
-            return failure(class, Some(status.as_u16()), header_delay.or(body_delay));
-        }
-        if self.stream {
-            return CallResult::Served(UpstreamResponse {
-                status,
-                headers: parts.headers,
-                body: UpBody::Stream(incoming),
-                deadline,
+            let retry_after_ms = if hint.long_outage {
+                hint.delay_ms.max(header_delay)
+            } else {
+                header_delay.or(hint.delay_ms)
+            };
+            return CallResult::Failed(Failure {
+                class,
+                status: Some(status.as_u16()),
+                retry_after_ms,
+                long_outage: hint.long_outage,
             });
         }
-        match read_body(incoming, deadline, MAX_UPSTREAM_BODY).await {
-            Ok(b) => CallResult::Served(UpstreamResponse {
+        if self.stream {
+            let translate = provider.stream(self.envelope(&spec));
+            if translate.is_some() {
+                retype(&mut headers, "text/event-stream");
+            }
+            return CallResult::Served(UpstreamResponse {
                 status,
-                headers: parts.headers,
-                body: UpBody::Buffered(b),
+                headers,
+                body: UpBody::Stream(incoming),
                 deadline,
-            }),
-            // Headers came but the body broke: nothing reached the client, so fail over.
-            Err(class) => failure(class, Some(status.as_u16()), None),
+                translate,
+                permit,
+            });
         }
+        let b = match read_body(incoming, deadline, MAX_UPSTREAM_BODY).await {
+            Ok(b) => b,
+            // Headers came but the body broke: nothing reached the client, so fail over.
+            Err(class) => return failure(class, Some(status.as_u16()), None),
+        };
+        drop(permit);
+        let body = match provider.response(&b, &self.envelope(&spec)) {
+            Ok(None) => b,
+            Ok(Some(t)) => {
+                retype(&mut headers, "application/json");
+                t
+            }
+            Err(e) => {
+                // A 200 we cannot read is the backend's failure: fail over.
+                tracing::warn!(backend = %backend.id, error = %e, "unreadable answer");
+                return failure(FailureClass::Server, Some(status.as_u16()), None);
+            }
+        };
+        CallResult::Served(UpstreamResponse {
+            status,
+            headers,
+            body: UpBody::Buffered(body),
+            deadline,
+            translate: None,
+            permit: None,
+        })
     }
 }
 
@@ -306,8 +397,8 @@ async fn read_body(body: Incoming, deadline: Instant, limit: usize) -> Result<By
 impl Upstream for Call<'_> {
     type Payload = UpstreamResponse;
 
-    fn eligible(&self, index: usize, _backend: &Backend) -> bool {
-        self.snap.eligible(index)
+    fn eligible(&self, index: usize, backend: &Backend) -> bool {
+        self.snap.eligible(index) && providers::for_kind(backend.kind).supports(self.endpoint)
     }
 
     fn call(

@@ -77,6 +77,7 @@ pub fn classify(a: &Answer) -> CallResult<Answer> {
                 class: FailureClass::Timeout,
                 status: None,
                 retry_after_ms,
+                long_outage: false,
             })
         }
         Some(_) => {
@@ -84,6 +85,7 @@ pub fn classify(a: &Answer) -> CallResult<Answer> {
                 class: FailureClass::Connect,
                 status: None,
                 retry_after_ms,
+                long_outage: false,
             })
         }
         None => {}
@@ -105,6 +107,7 @@ pub fn classify(a: &Answer) -> CallResult<Answer> {
         class,
         status: Some(status),
         retry_after_ms,
+        long_outage: false,
     })
 }
 
@@ -126,6 +129,7 @@ impl Upstream for ScriptedUpstream {
                     class: FailureClass::Connect,
                     status: None,
                     retry_after_ms: None,
+                    long_outage: false,
                 })
             }
         };
