@@ -162,6 +162,10 @@ def render(dirpath, seen_files):
                 data[key] = f.read()
         behavior = g.get("behavior", "create")
         name = g["name"]
+        if name == "tollgate-policy" and not (g.get("options") or {}).get("disableNameSuffixHash"):
+            # A hashed name rolls the pods on every edit instead of a hot reload, and a new pod's
+            # emptyDir starts empty: the day's SQLite counters would be lost.
+            err(f"{rel(dirpath)}: the tollgate-policy generator needs options.disableNameSuffixHash: true")
         if behavior == "create":
             if name in cms:
                 err(f"{rel(dirpath)}: ConfigMap {name} created twice")
