@@ -1269,35 +1269,6 @@ async fn usage_reconciliation_actual_and_estimated() {
     sc.stop().await;
 }
 
-/// A native-format backend (here `kind: anthropic`) is skipped in this build even with its key
-/// set: OpenAI JSON never goes to a native API; the route answers with its next entry.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn native_kinds_are_skipped_until_their_adapters_exist() {
-    std::env::set_var("TOLLGATE_TEST_NATIVE_KEY", "sk-native");
-    let native = MockUpstream::start(vec![]).await;
-    let openai = MockUpstream::start(vec![]).await;
-    let yaml = format!(
-        r#"
-version: t-native
-backends:
-  - {{id: claude, kind: anthropic, base_url: "{}", api_key_env: TOLLGATE_TEST_NATIVE_KEY}}
-  - {{id: local, kind: openai, base_url: "{}"}}
-routes:
-  - model: chat
-    chain: [{{backend: claude, model: haiku}}, {{backend: local, model: llama}}]
-"#,
-        native.base_url(),
-        openai.base_url()
-    );
-    let sc = Sidecar::start(&yaml).await;
-    let (s, h, _) = post_json(&sc.chat_url(), &chat("hi", Some(5)), &[]).await;
-    assert_eq!(s, 200);
-    assert_eq!(hdr(&h, "x-tollgate-backend"), "local");
-    assert_eq!(native.hits(), 0, "nothing sent to the native API");
-    assert_eq!(openai.hits(), 1);
-    sc.stop().await;
-}
-
 /// Whether `raw` holds a whole HTTP/1.1 response with a content-length body.
 fn response_complete(raw: &[u8]) -> bool {
     let text = String::from_utf8_lossy(raw);

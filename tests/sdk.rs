@@ -15,6 +15,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::mock::{Answer, MockUpstream};
+use common::native::*;
 use serde_json::Value;
 use tollgate::audit::Audit;
 use tollgate::ledger::{window_at, window_end, CounterKey};
@@ -542,4 +543,136 @@ routes:
     // SPEC §3: the static answer has usage zero; a stream that asked for usage ends with it.
     assert_eq!(s["last_usage"]["total_tokens"], 0, "{s}");
     running.shutdown().await;
+}
+
+/// `policies/default.yaml` with its three backends pointed at mocks.
+fn default_policy_at(ollama: &str, gemini: &str, claude: &str) -> String {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("policies/default.yaml");
+    let text = std::fs::read_to_string(path).expect("policies/default.yaml");
+    let out = text
+        .replace("http://127.0.0.1:11434", ollama)
+        .replace("https://generativelanguage.googleapis.com/v1beta", gemini)
+        .replace("https://api.anthropic.com", claude);
+    assert_eq!(
+        out.matches("http://127.0.0.1:").count(),
+        3,
+        "all three backends re-pointed"
+    );
+    out
+}
+
+fn closed_port() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let a = l.local_addr().unwrap();
+    drop(l);
+    format!("http://{a}")
+}
+
+/// What the SDK saw of one buffered completion and two streams served by `backend`.
+fn assert_native_run(v: &Value, backend: &str, text: &str, usage: (u64, u64)) {
+    let chat = &v["chat"];
+    assert_eq!(chat["type"], "ChatCompletion", "{v}");
+    assert_eq!(chat["backend"], backend, "{v}");
+    assert_eq!(chat["content"], text);
+    assert_eq!(chat["finish_reason"], "stop");
+    assert_eq!(chat["usage"]["prompt_tokens"], usage.0);
+    assert_eq!(chat["usage"]["completion_tokens"], usage.1);
+    assert_eq!(chat["usage"]["total_tokens"], usage.0 + usage.1);
+    for s in ["stream", "stream_usage"] {
+        assert_eq!(v[s]["backend"], backend, "{s}: {v}");
+        assert_eq!(v[s]["content"], "Hello world", "{s}: {v}");
+        assert_eq!(
+            v[s]["objects"],
+            serde_json::json!(["chat.completion.chunk"])
+        );
+        assert_eq!(v[s]["finish"], serde_json::json!(["stop"]), "{s}: {v}");
+    }
+    assert_eq!(
+        v["stream"]["usage_chunks"],
+        serde_json::json!([]),
+        "not asked for: hidden"
+    );
+    let u = &v["stream_usage"]["usage_chunks"];
+    assert_eq!(u.as_array().map(Vec::len), Some(1), "{v}");
+    assert_eq!(u[0]["prompt_tokens"], 17);
+    assert_eq!(u[0]["completion_tokens"], 9);
+}
+
+/// Issue 5's "done when": the default policy pointed at the three native mocks; the SDK gets
+/// answers, streams and usage from each kind, and the ADR chain fails over across kinds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sdk_default_policy_over_native_backends() {
+    let Some(py) = sdk_python("sdk_default_policy_over_native_backends") else {
+        return;
+    };
+    std::env::set_var("GEMINI_API_KEY", "AIza-sdk-test");
+    std::env::set_var("ANTHROPIC_API_KEY", "sk-ant-sdk-test");
+
+    // Ollama serves.
+    let ollama = MockUpstream::start(vec![
+        ollama_chat("Hello from Ollama.", 21, 5),
+        ollama_stream(&["Hello", " world"], 17, 9),
+        ollama_stream(&["Hello", " world"], 17, 9),
+    ])
+    .await;
+    let r = sidecar(&default_policy_at(
+        &root(&ollama),
+        &closed_port(),
+        &closed_port(),
+    ))
+    .await;
+    let v = run_script(&py, "native.py", &base_url(&r), &[]).await;
+    assert_native_run(&v, "ollama", "Hello from Ollama.", (21, 5));
+    assert_eq!(
+        ollama.requests()[0].json.as_ref().unwrap()["options"]["num_predict"],
+        50
+    );
+    r.shutdown().await;
+
+    // Ollama down: Gemini serves.
+    let gemini = MockUpstream::start(vec![
+        gemini_response("Hello from Gemini.", 21, 3, 2),
+        gemini_stream(&["Hello", " world"], 17, 9),
+        gemini_stream(&["Hello", " world"], 17, 9),
+    ])
+    .await;
+    let r = sidecar(&default_policy_at(
+        &closed_port(),
+        &format!("{}/v1beta", root(&gemini)),
+        &closed_port(),
+    ))
+    .await;
+    let v = run_script(&py, "native.py", &base_url(&r), &[]).await;
+    assert_native_run(&v, "gemini", "Hello from Gemini.", (21, 5));
+    assert_eq!(
+        gemini.requests()[0].header("x-goog-api-key"),
+        Some("AIza-sdk-test")
+    );
+    r.shutdown().await;
+
+    // The ADR chain: Ollama down → Gemini 429 with RetryInfo → Claude serves.
+    let gemini = MockUpstream::start_with_default(vec![], gemini_429("22s", false)).await;
+    let claude = MockUpstream::start(vec![
+        anthropic_message("Hello from Claude.", (15, 5, 4, 2)),
+        anthropic_stream(&["Hello", " world"], 17, 9),
+        anthropic_stream(&["Hello", " world"], 17, 9),
+    ])
+    .await;
+    let r = sidecar(&default_policy_at(
+        &closed_port(),
+        &format!("{}/v1beta", root(&gemini)),
+        &root(&claude),
+    ))
+    .await;
+    let v = run_script(&py, "native.py", &base_url(&r), &[]).await;
+    assert_native_run(&v, "claude", "Hello from Claude.", (21, 5));
+    assert_eq!(
+        gemini.hits(),
+        3,
+        "Gemini was tried (and said 429) for each request"
+    );
+    let first = &claude.requests()[0];
+    assert_eq!(first.header("x-api-key"), Some("sk-ant-sdk-test"));
+    assert_eq!(first.json.as_ref().unwrap()["system"], "be brief");
+    r.shutdown().await;
 }
