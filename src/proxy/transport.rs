@@ -6,7 +6,7 @@ use super::respond::is_hop_by_hop;
 use super::snapshot::Snapshot;
 use crate::estimate::Endpoint;
 use crate::governor::{CallResult, CallSpec, Failure, FailureClass, Skip, Upstream};
-use crate::policy::Backend;
+use crate::policy::{Backend, BackendKind};
 use crate::providers::{
     self, retry_after, BuildCtx, Envelope, ErrorHint, Provider, StreamTranslator, Untranslatable,
 };
@@ -342,8 +342,14 @@ impl Call<'_> {
                 long_outage: hint.long_outage,
             });
         }
+        // OpenAI-compatible answers pass as they are: no envelope to build.
+        let native = backend.kind != BackendKind::Openai;
         if self.stream {
-            let translate = provider.stream(self.envelope(&spec));
+            let translate = if native {
+                provider.stream(self.envelope(&spec))
+            } else {
+                None
+            };
             if translate.is_some() {
                 retype(&mut headers, "text/event-stream");
             }
@@ -362,7 +368,12 @@ impl Call<'_> {
             Err(class) => return failure(class, Some(status.as_u16()), None),
         };
         drop(permit);
-        let body = match provider.response(&b, &self.envelope(&spec)) {
+        let translated = if native {
+            provider.response(&b, &self.envelope(&spec))
+        } else {
+            Ok(None)
+        };
+        let body = match translated {
             Ok(None) => b,
             Ok(Some(t)) => {
                 retype(&mut headers, "application/json");
