@@ -4,6 +4,7 @@
 //! `policy`, `estimate` → `units`. The governor is pure: no sockets, files or wall clock.
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod audit;
 pub mod cli;
 pub mod estimate;
@@ -13,4 +14,5 @@ pub mod policy;
 pub mod proxy;
 pub mod scenario;
 pub mod stream;
+pub mod telemetry;
 pub mod units;
