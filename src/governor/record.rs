@@ -115,7 +115,7 @@ pub struct AlertNote {
     pub id: Arc<str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub window: Option<&'static str>,
-    /// Start of the counter's window, ms since the epoch (tells windows apart).
+    /// Start of the counter's window, Unix seconds (tells windows apart).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub window_start: Option<i64>,
     /// `tokens`, `requests` or `usd` (usd amounts in micro-dollars).

@@ -59,9 +59,11 @@ impl Alerts {
         })));
     }
 
-    /// Logs every crossing of `rec` and queues its webhook POSTs without waiting.
-    pub fn emit(&self, rec: &Record, ts: &str) {
+    /// Logs every crossing of `rec` and queues its webhook POSTs without waiting. Returns
+    /// how many were dropped because the queue was full.
+    pub fn emit(&self, rec: &Record, ts: &str) -> usize {
         let sink = self.sink.load();
+        let mut dropped = 0;
         for a in &rec.alerts {
             tracing::warn!(
                 target: "tollgate::alert",
@@ -96,6 +98,7 @@ impl Alerts {
                 "ts": ts,
             });
             if tx.try_send(Bytes::from(body.to_string())).is_err() {
+                dropped += 1;
                 metrics::counter!(TOLLGATE_ALERTS_TOTAL, "outcome" => "dropped").increment(1);
                 tracing::warn!(
                     target: "tollgate::alert",
@@ -104,6 +107,7 @@ impl Alerts {
                 );
             }
         }
+        dropped
     }
 }
 
@@ -172,5 +176,64 @@ async fn post(
         Ok(())
     } else {
         Err(format!("HTTP {}", resp.as_u16()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::governor::AlertNote;
+
+    fn record(n: usize) -> Record {
+        let mut r = Record::new(
+            Arc::from("v1"),
+            Arc::from("r"),
+            Arc::from("r"),
+            Arc::from("c"),
+            Arc::from("chat"),
+        );
+        for i in 0..n {
+            r.alerts.push(AlertNote {
+                bound: Arc::from(format!("b{i}").as_str()),
+                class: "quota",
+                scope: "global",
+                id: Arc::from("global"),
+                window: Some("day"),
+                window_start: Some(0),
+                dim: "tokens",
+                threshold: 0.5,
+                used: 5,
+                limit: 10,
+            });
+        }
+        r
+    }
+
+    #[tokio::test]
+    async fn a_full_queue_drops_instead_of_waiting() {
+        // Nothing listens on port 9 of localhost: the worker retries its first alert for a
+        // while, so the queue (1) fills and later alerts are dropped, never awaited.
+        let a = Alerts::default();
+        a.configure(&AlertsCfg {
+            webhook_url: Some("http://127.0.0.1:9/hook".into()),
+            timeout: Duration::from_millis(100),
+            queue: 1,
+            max_attempts: 50,
+        });
+        tokio::task::yield_now().await;
+        let dropped = a.emit(&record(5), "2026-01-01T00:00:00Z");
+        assert!(dropped >= 3, "dropped {dropped}");
+    }
+
+    #[tokio::test]
+    async fn without_a_webhook_alerts_are_only_logged() {
+        let a = Alerts::default();
+        a.configure(&AlertsCfg {
+            webhook_url: None,
+            timeout: Duration::from_secs(1),
+            queue: 1,
+            max_attempts: 1,
+        });
+        assert_eq!(a.emit(&record(3), "t"), 0);
     }
 }

@@ -200,6 +200,6 @@ fn record(entry: &Entry, overhead: bool) {
         );
     }
     if !rec.alerts.is_empty() {
-        t.alerts.emit(rec, &entry.ts);
+        let _dropped = t.alerts.emit(rec, &entry.ts);
     }
 }
