@@ -107,7 +107,8 @@ fn json_line(r: &ScenarioResult) -> serde_json::Value {
     })
 }
 
-/// `serve`: run the sidecar until SIGTERM/SIGINT; SIGHUP reloads the policy.
+/// `serve`: run the sidecar until SIGTERM/SIGINT; SIGHUP, a change on disk and
+/// `POST /admin/reload` reload the policy.
 pub async fn serve(path: &std::path::Path) -> u8 {
     init_tracing();
     let snap = match crate::proxy::snapshot::load(path) {
@@ -133,7 +134,8 @@ pub async fn serve(path: &std::path::Path) -> u8 {
         }
     };
     let version = snap.policy.version.clone();
-    let running = match crate::proxy::start(snap, audit, crate::proxy::Options::default()).await {
+    let mut running = match crate::proxy::start(snap, audit, crate::proxy::Options::default()).await
+    {
         Ok(r) => r,
         Err(e) => {
             eprintln!("cannot listen: {e}");
@@ -141,7 +143,8 @@ pub async fn serve(path: &std::path::Path) -> u8 {
         }
     };
     tracing::info!(addr = %running.addr, admin = %running.admin_addr, %version, "tollgate serving");
-    wait_for_signals(&running, path).await;
+    running.watch_policy(path.to_path_buf());
+    wait_for_signals(&running).await;
     tracing::info!("shutting down: draining in-flight requests");
     let app = running.app.clone();
     running.shutdown().await;
@@ -179,7 +182,7 @@ fn start_audit(
 }
 
 #[cfg(unix)]
-async fn wait_for_signals(running: &crate::proxy::Running, path: &std::path::Path) {
+async fn wait_for_signals(running: &crate::proxy::Running) {
     use tokio::signal::unix::{signal, SignalKind};
     let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
         signal(SignalKind::terminate()),
@@ -194,15 +197,13 @@ async fn wait_for_signals(running: &crate::proxy::Running, path: &std::path::Pat
         tokio::select! {
             _ = term.recv() => return,
             _ = int.recv() => return,
-            _ = hup.recv() => match crate::proxy::reload(&running.app, path) {
-                Ok(v) => tracing::info!(version = %v, "policy reloaded"),
-                Err(e) => tracing::error!(error = %e, "policy reload rejected; the old policy stays in force"),
-            },
+            // Logged, counted and kept for /admin/status by the one reload path.
+            _ = hup.recv() => { let _ = running.reload(crate::admin::Trigger::Signal).await; }
         }
     }
 }
 
 #[cfg(not(unix))]
-async fn wait_for_signals(_running: &crate::proxy::Running, _path: &std::path::Path) {
+async fn wait_for_signals(_running: &crate::proxy::Running) {
     let _ = tokio::signal::ctrl_c().await;
 }

@@ -4,6 +4,7 @@
 //! `policy`, `estimate` → `units`. The governor is pure: no sockets, files or wall clock.
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod audit;
 pub mod cli;
 pub mod estimate;
@@ -14,4 +15,5 @@ pub mod providers;
 pub mod proxy;
 pub mod scenario;
 pub mod stream;
+pub mod telemetry;
 pub mod units;

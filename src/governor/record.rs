@@ -103,6 +103,29 @@ pub struct BoundNote {
     pub backend: Arc<str>,
 }
 
+/// One `alert_at` threshold crossed by a request's committed usage.
+#[derive(Debug, Clone, Serialize)]
+pub struct AlertNote {
+    /// The bound's name.
+    pub bound: Arc<str>,
+    /// `rate_limit`, `quota` or `budget`.
+    pub class: &'static str,
+    pub scope: &'static str,
+    /// Whose counter crossed (a backend, model or consumer id, `global`, a job id).
+    pub id: Arc<str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub window: Option<&'static str>,
+    /// Start of the counter's window, Unix seconds (tells windows apart).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub window_start: Option<i64>,
+    /// `tokens`, `requests` or `usd` (usd amounts in micro-dollars).
+    pub dim: &'static str,
+    /// The fraction of `limit` from `alert_at`.
+    pub threshold: f64,
+    pub used: u64,
+    pub limit: u64,
+}
+
 /// The full decision for one governed request.
 #[derive(Debug, Clone, Serialize)]
 pub struct Record {
@@ -147,9 +170,10 @@ pub struct Record {
     pub remaining_tokens: Option<u64>,
     pub attempts: Vec<AttemptRecord>,
     pub refusals: Vec<BoundNote>,
-    /// Alert thresholds this request's usage crossed: (bound name, fraction).
+    /// Alert thresholds this request's usage crossed (each crossing happens once per
+    /// counter and window: committed usage only grows within a window).
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub alerts: Vec<(Arc<str>, f64)>,
+    pub alerts: Vec<AlertNote>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }

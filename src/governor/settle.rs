@@ -1,7 +1,7 @@
 //! Reconciliation: the actual usage replaces the reserved worst case; soft bounds and alert
 //! thresholds are judged on what was really spent.
 
-use super::record::{BudgetState, ReasonClass, Record, UsageEvidence};
+use super::record::{AlertNote, BudgetState, ReasonClass, Record, UsageEvidence};
 use super::{Governor, Pending};
 use crate::policy::Policy;
 use crate::units::{micros_to_usd, Amount, Dim};
@@ -60,7 +60,18 @@ impl Governor {
                         for &a in &b.alert_at {
                             let at = (limit as f64 * a).ceil() as u64;
                             if prev.get(d) < at && now.get(d) >= at {
-                                rec.alerts.push((b.name.clone(), a));
+                                rec.alerts.push(AlertNote {
+                                    bound: b.name.clone(),
+                                    class: b.class.as_str(),
+                                    scope: part.key.scope.as_str(),
+                                    id: part.key.id.clone(),
+                                    window: part.key.window.map(|w| w.window.as_str()),
+                                    window_start: part.key.window.map(|w| w.start),
+                                    dim: d.as_str(),
+                                    threshold: a,
+                                    used: now.get(d),
+                                    limit,
+                                });
                             }
                         }
                     }

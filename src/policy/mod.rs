@@ -6,6 +6,7 @@
 //! module reads files but never watches them, swaps snapshots or reads secrets: the values of
 //! `api_key_env` variables are looked up only by name, by `backend_eligible`.
 
+mod alerts;
 mod backends;
 mod bounds;
 mod error;

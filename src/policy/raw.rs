@@ -55,6 +55,9 @@ pub const DEFAULT_JOB_IDLE_TTL: Duration = Duration::from_secs(3600);
 pub const DEFAULT_AUDIT_SINK: &str = "jsonl";
 pub const DEFAULT_AUDIT_PATH: &str = "tollgate-audit.jsonl";
 pub const DEFAULT_AUDIT_QUEUE: usize = 8192;
+pub const DEFAULT_ALERT_TIMEOUT: Duration = Duration::from_secs(5);
+pub const DEFAULT_ALERT_QUEUE: usize = 256;
+pub const DEFAULT_ALERT_ATTEMPTS: u32 = 5;
 /// `match` when absent: a separate counter per id.
 pub const MATCH_ANY: &str = "*";
 
@@ -78,6 +81,7 @@ pub struct RawPolicy {
     pub defer: Option<RawDefer>,
     pub state: Option<RawState>,
     pub audit: Option<RawAudit>,
+    pub alerts: Option<RawAlerts>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -272,6 +276,15 @@ pub struct RawAudit {
     pub path: Option<String>,
     pub postgres_url: Option<String>,
     pub queue: Option<usize>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAlerts {
+    pub webhook_url: Option<String>,
+    pub timeout: Option<RawDuration>,
+    pub queue: Option<usize>,
+    pub max_attempts: Option<u32>,
 }
 
 /// A scalar read as text: YAML turns `version: 2026.1` or `match: 42` into numbers, but

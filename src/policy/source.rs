@@ -158,6 +158,7 @@ pub(crate) struct Merged {
     pub defer: Option<At<RawDefer>>,
     pub state: Option<At<RawState>>,
     pub audit: Option<At<RawAudit>>,
+    pub alerts: Option<At<RawAlerts>>,
 }
 
 impl Merged {
@@ -204,6 +205,7 @@ impl Merged {
         m.one(&mut self.defer, raw.defer, "defer");
         m.one(&mut self.state, raw.state, "state");
         m.one(&mut self.audit, raw.audit, "audit");
+        m.one(&mut self.alerts, raw.alerts, "alerts");
     }
 }
 

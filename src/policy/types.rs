@@ -28,6 +28,8 @@ pub struct Policy {
     pub defer: DeferCfg,
     pub state: StateCfg,
     pub audit: AuditCfg,
+    /// `alerts`: where threshold crossings are delivered besides the log.
+    pub alerts: AlertsCfg,
     /// route alias -> index into `routes`.
     pub route_index: HashMap<String, usize>,
 }
@@ -328,4 +330,18 @@ pub struct AuditCfg {
     pub postgres_url: Option<String>,
     /// Bounded queue between request path and writer.
     pub queue: usize,
+}
+
+/// `alerts`: threshold crossings (`alert_at`) always go to the log (target `tollgate::alert`);
+/// with a `webhook_url` they are also POSTed as JSON by a background task.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AlertsCfg {
+    /// An http:// or https:// URL; `None` = log only.
+    pub webhook_url: Option<String>,
+    /// Per delivery attempt.
+    pub timeout: Duration,
+    /// Alerts waiting for delivery; past this they are dropped (and counted).
+    pub queue: usize,
+    /// Delivery attempts per alert (the first plus retries with exponential backoff).
+    pub max_attempts: u32,
 }

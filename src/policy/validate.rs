@@ -75,6 +75,7 @@ pub(crate) fn validate(
     let (retry, fallback, degrade, defer) =
         (v.retry(&m), v.fallback(&m), v.degrade(&m), v.defer(&m));
     let (state, audit) = (v.state(&m), v.audit(&m));
+    let alerts = v.alerts_cfg(&m);
     if !v.errs.is_empty() {
         return Err(PolicyErrors(v.errs));
     }
@@ -99,6 +100,7 @@ pub(crate) fn validate(
         defer,
         state,
         audit,
+        alerts,
         route_index,
     })
 }

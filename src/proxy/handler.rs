@@ -401,6 +401,7 @@ async fn finish(app: &App, endpoint: Endpoint, record: Record, t0: Instant) {
         latency_ms: t0.elapsed().as_secs_f64() * 1000.0,
         record,
     };
+    crate::telemetry::observe(&entry);
     app.audit.record(entry).await;
 }
 

@@ -1,7 +1,6 @@
 //! The sidecar: an OpenAI-compatible HTTP front that runs every request through the governor
 //! and calls the chosen upstream. The I/O shell around the pure core.
 
-pub mod admin;
 pub mod handler;
 pub mod identity;
 pub mod respond;

@@ -1,10 +1,10 @@
 //! Listeners and connections: HTTP/1.1 and h2c on the data port, bounded header reads,
-//! graceful drain on shutdown. Also the small admin port (health, readiness).
+//! graceful drain on shutdown. Also the admin port (`crate::admin`) and the policy watcher.
 
-use super::admin;
 use super::handler::{handle, App};
 use super::snapshot::Snapshot;
 use super::transport::Transport;
+use crate::admin::{self, Ops};
 use crate::audit::Audit;
 use crate::governor::Governor;
 use crate::ledger::Ledger;
@@ -36,6 +36,8 @@ pub struct Running {
     pub addr: SocketAddr,
     pub admin_addr: SocketAddr,
     pub app: Arc<App>,
+    /// The admin state: reload path and status, admin token, readiness hook.
+    pub ops: Arc<Ops>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -53,6 +55,8 @@ pub async fn start(snap: Snapshot, audit: Audit, opts: Options) -> std::io::Resu
     let admin_l = bind(opts.admin_listen, &snap.policy.server.admin_listen).await?;
     let (addr, admin_addr) = (data.local_addr()?, admin_l.local_addr()?);
     let header_timeout = snap.policy.server.header_read_timeout;
+    crate::telemetry::global().configure(&snap.policy);
+    let ops = Arc::new(Ops::new(snap.policy.version.clone()));
     let app = Arc::new(App {
         snap: ArcSwap::from_pointee(snap),
         governor: Arc::new(Governor::new(Arc::new(Ledger::new()))),
@@ -64,24 +68,48 @@ pub async fn start(snap: Snapshot, audit: Audit, opts: Options) -> std::io::Resu
     let data_task = tokio::spawn(serve(data, stop_rx.clone(), header_timeout, move |req| {
         handle(a.clone(), req)
     }));
-    let a = app.clone();
+    let (a, o) = (app.clone(), ops.clone());
     let admin_task = tokio::spawn(serve(
         admin_l,
         stop_rx.clone(),
         header_timeout,
-        move |req| admin::handle(a.clone(), req),
+        move |req| admin::handle(a.clone(), o.clone(), req),
     ));
     let sweeper = tokio::spawn(sweep(app.clone(), stop_rx));
     Ok(Running {
         addr,
         admin_addr,
         app,
+        ops,
         stop,
         tasks: vec![data_task, admin_task, sweeper],
     })
 }
 
 impl Running {
+    /// Reloads from `path` from now on (SIGHUP, `POST /admin/reload`) and watches it:
+    /// a change on disk is loaded within about a second.
+    pub fn watch_policy(&mut self, path: std::path::PathBuf) {
+        self.ops.set_policy_path(path);
+        let task = tokio::spawn(admin::watch(
+            self.app.clone(),
+            self.ops.clone(),
+            self.stop.subscribe(),
+        ));
+        self.tasks.push(task);
+    }
+
+    /// Reloads from the path set by [`Running::watch_policy`] (same path as every trigger).
+    pub async fn reload(&self, trigger: admin::Trigger) -> Result<Arc<str>, String> {
+        self.ops
+            .reload(&self.app, trigger)
+            .await
+            .map_err(|e| match e {
+                admin::ReloadError::NoPath => "no policy path to reload from".to_string(),
+                admin::ReloadError::Invalid(m) => m,
+            })
+    }
+
     /// Stops accepting, lets in-flight requests finish up to the policy's grace, and returns.
     pub async fn shutdown(self) {
         let _ = self.stop.send(true);
@@ -161,6 +189,8 @@ async fn serve<F, Fut>(
 }
 
 /// Loads the policy at `path` and swaps it in whole; the old one stays on any error.
+/// The bare swap: `Running::reload` / `admin::Ops::reload` wrap it with metrics, status and
+/// logging, and every trigger goes through them.
 pub fn reload(app: &App, path: &std::path::Path) -> Result<Arc<str>, String> {
     let snap = super::snapshot::load(path)?;
     let version = snap.policy.version.clone();

@@ -137,6 +137,7 @@ impl Metered {
             latency_ms: started.elapsed().as_secs_f64() * 1000.0,
             record,
         };
+        crate::telemetry::observe_stream(&entry);
         // Drop may run outside an async context: hand the record to a task when we can.
         match tokio::runtime::Handle::try_current() {
             Ok(h) => {

@@ -1,0 +1,227 @@
+//! The admin port: liveness, readiness, Prometheus metrics, the status JSON, the dashboard
+//! page and `POST /admin/reload`. Separate from the data port; nothing here is on the
+//! request path. Mutating calls need `Authorization: Bearer $TOLLGATE_ADMIN_TOKEN`
+//! (compared in constant time); with no token configured they are refused.
+
+mod reload;
+mod status;
+
+pub use reload::{fingerprint, watch, ReloadError, ReloadStatus, Trigger, WATCH_EVERY};
+
+use crate::proxy::respond::{full, Body};
+use crate::proxy::App;
+use arc_swap::ArcSwapOption;
+use http::{HeaderValue, Method, Request, Response, StatusCode};
+use hyper::body::Incoming;
+use std::convert::Infallible;
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use subtle::ConstantTimeEq;
+
+/// The environment variable holding the admin token.
+pub const ADMIN_TOKEN_ENV: &str = "TOLLGATE_ADMIN_TOKEN";
+
+/// How long `/readyz` waits for the state store's answer.
+const READY_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The dashboard: one self-contained page (inline CSS and JS, nothing fetched from outside).
+const DASHBOARD: &str = include_str!("dashboard.html");
+
+/// Asks the state store whether it answers (`Err` says why not). The in-memory store has
+/// none: it always answers.
+pub type ReadyCheck =
+    Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Result<(), String>> + Send>> + Send + Sync>;
+
+/// Per-sidecar admin state: where the policy comes from, how the last reload went, the admin
+/// token and the readiness hook.
+pub struct Ops {
+    policy_path: ArcSwapOption<PathBuf>,
+    token: ArcSwapOption<String>,
+    state_check: ArcSwapOption<ReadyCheck>,
+    pub(crate) reloads: Mutex<ReloadStatus>,
+    /// Serialises reloads (file watch, SIGHUP and the API may race).
+    reload_lock: tokio::sync::Mutex<()>,
+}
+
+impl std::fmt::Debug for Ops {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ops")
+            .field("policy_path", &self.policy_path.load())
+            .field("token", &self.token.load().as_ref().map(|_| "***"))
+            .finish()
+    }
+}
+
+impl Ops {
+    /// Reads the admin token from the environment.
+    pub fn new(version: Arc<str>) -> Self {
+        let token = std::env::var(ADMIN_TOKEN_ENV)
+            .ok()
+            .filter(|t| !t.is_empty())
+            .map(Arc::new);
+        Ops {
+            policy_path: ArcSwapOption::empty(),
+            token: ArcSwapOption::new(token),
+            state_check: ArcSwapOption::empty(),
+            reloads: Mutex::new(ReloadStatus::new(version)),
+            reload_lock: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// Sets (or clears) the admin token, e.g. when embedding the sidecar.
+    pub fn set_token(&self, token: Option<String>) {
+        self.token
+            .store(token.filter(|t| !t.is_empty()).map(Arc::new));
+    }
+
+    /// The state store's readiness check (filled by the store when it is not in memory).
+    pub fn set_state_check(&self, check: ReadyCheck) {
+        self.state_check.store(Some(Arc::new(check)));
+    }
+
+    /// The policy file or directory that reloads read.
+    pub fn set_policy_path(&self, path: PathBuf) {
+        self.policy_path.store(Some(Arc::new(path)));
+    }
+
+    pub fn policy_path(&self) -> Option<PathBuf> {
+        self.policy_path.load().as_deref().cloned()
+    }
+
+    /// The refusal of a mutating call, or `None` when the bearer token is right.
+    fn refuse(&self, req: &Request<Incoming>) -> Option<Response<Body>> {
+        let token = self.token.load();
+        let Some(token) = token.as_ref() else {
+            return Some(json_error(
+                StatusCode::FORBIDDEN,
+                "admin API disabled: set TOLLGATE_ADMIN_TOKEN to enable mutating admin calls",
+            ));
+        };
+        let given = req
+            .headers()
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+            .unwrap_or(b"");
+        // Lengths may differ: ct_eq then says no without comparing further (only the length
+        // can leak, never the content).
+        if bool::from(given.ct_eq(token.as_bytes())) {
+            None
+        } else {
+            let mut r = json_error(
+                StatusCode::UNAUTHORIZED,
+                "missing or wrong bearer token for the admin API",
+            );
+            r.headers_mut().insert(
+                http::header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer"),
+            );
+            Some(r)
+        }
+    }
+}
+
+fn with_type(mut r: Response<Body>, status: StatusCode, ctype: &'static str) -> Response<Body> {
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(http::header::CONTENT_TYPE, HeaderValue::from_static(ctype));
+    r.headers_mut().insert(
+        http::header::CACHE_CONTROL,
+        HeaderValue::from_static("no-store"),
+    );
+    r
+}
+
+fn text(status: StatusCode, body: impl Into<bytes::Bytes>) -> Response<Body> {
+    with_type(
+        Response::new(full(body)),
+        status,
+        "text/plain; charset=utf-8",
+    )
+}
+
+fn json(status: StatusCode, v: &serde_json::Value) -> Response<Body> {
+    with_type(
+        Response::new(full(v.to_string())),
+        status,
+        "application/json",
+    )
+}
+
+fn json_error(status: StatusCode, message: &str) -> Response<Body> {
+    json(status, &serde_json::json!({"error": {"message": message}}))
+}
+
+/// The admin port's router.
+pub async fn handle(
+    app: Arc<App>,
+    ops: Arc<Ops>,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, Infallible> {
+    Ok(match (req.method(), req.uri().path()) {
+        (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
+        (&Method::GET, "/readyz") => readyz(&app, &ops).await,
+        (&Method::GET, "/metrics") => {
+            status::set_gauges(&app, &ops);
+            with_type(
+                Response::new(full(crate::telemetry::global().render())),
+                StatusCode::OK,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )
+        }
+        (&Method::GET, "/admin/status") => json(StatusCode::OK, &status::status(&app, &ops)),
+        (&Method::GET, "/" | "/index.html") => with_type(
+            Response::new(full(DASHBOARD)),
+            StatusCode::OK,
+            "text/html; charset=utf-8",
+        ),
+        (&Method::POST, "/admin/reload") => match ops.refuse(&req) {
+            Some(r) => r,
+            None => match ops.reload(&app, Trigger::Api).await {
+                Ok(v) => json(
+                    StatusCode::OK,
+                    &serde_json::json!({"result": "ok", "version": &*v}),
+                ),
+                Err(reload::ReloadError::NoPath) => json_error(
+                    StatusCode::CONFLICT,
+                    "this sidecar was not started from a policy path: nothing to reload",
+                ),
+                Err(reload::ReloadError::Invalid(msg)) => json(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    &serde_json::json!({"result": "error", "error": {"message": msg},
+                        "version": &*app.snap.load().policy.version}),
+                ),
+            },
+        },
+        (_, "/healthz" | "/readyz" | "/metrics" | "/admin/status" | "/" | "/admin/reload") => {
+            text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n")
+        }
+        _ => text(StatusCode::NOT_FOUND, "not found\n"),
+    })
+}
+
+async fn readyz(app: &App, ops: &Ops) -> Response<Body> {
+    // A valid policy is loaded by construction (start refuses an invalid one; a reload never
+    // replaces it with one), so readiness is the state store's answer.
+    let _version = app.snap.load().policy.version.clone();
+    let check = ops.state_check.load_full();
+    let Some(check) = check else {
+        return text(StatusCode::OK, "ready\n");
+    };
+    match tokio::time::timeout(READY_TIMEOUT, (*check)()).await {
+        Ok(Ok(())) => text(StatusCode::OK, "ready\n"),
+        Ok(Err(e)) => text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: state store: {e}\n"),
+        ),
+        Err(_) => text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "not ready: state store did not answer within {} s\n",
+                READY_TIMEOUT.as_secs()
+            ),
+        ),
+    }
+}

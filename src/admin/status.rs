@@ -1,0 +1,274 @@
+//! What `/admin/status` (and the dashboard) show, and the gauges set at scrape time. All
+//! computed here, off the request path: circuits, the ledger's counters in the current
+//! windows, the telemetry's per-backend counters.
+
+use super::Ops;
+use crate::governor::CircuitState;
+use crate::ledger::CounterKey;
+use crate::policy::{Bound, BoundClass, Match, Policy};
+use crate::proxy::App;
+use crate::telemetry::names::*;
+use crate::telemetry::stats::RECENT_MINUTES;
+use crate::units::{micros_to_usd, Dim, Scope};
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+/// Health thresholds on the recent success rate: below `RED_BELOW` (or an open circuit) is
+/// red, below `YELLOW_BELOW` (or a half-open circuit) is yellow.
+pub const RED_BELOW: f64 = 0.5;
+pub const YELLOW_BELOW: f64 = 0.95;
+
+/// green / yellow / red for a backend.
+pub fn health(circuit: CircuitState, success_rate: Option<f64>) -> &'static str {
+    match (circuit, success_rate) {
+        (CircuitState::Open, _) => "red",
+        (_, Some(r)) if r < RED_BELOW => "red",
+        (CircuitState::HalfOpen, _) => "yellow",
+        (_, Some(r)) if r < YELLOW_BELOW => "yellow",
+        _ => "green",
+    }
+}
+
+/// A bound with one fixed counter (global, or a single id), and that counter's key now.
+fn fixed_key(b: &Bound, windows: &crate::ledger::WindowSet) -> Option<CounterKey> {
+    let id: Arc<str> = match (b.scope, &b.matcher) {
+        (Scope::Global, _) => Arc::from("global"),
+        (Scope::Request, _) => return None,
+        (_, Match::Id(id)) => id.clone(),
+        (_, Match::Any) => return None,
+    };
+    Some(CounterKey {
+        scope: b.scope,
+        id,
+        window: b.window.map(|w| windows.key(w)),
+    })
+}
+
+/// One fixed-id bound's use now: (dim, used, limit, ratio) of its fullest hard dimension
+/// (soft when it has no hard limit), plus reserved tokens.
+struct Use {
+    key: CounterKey,
+    dim: Dim,
+    used: u64,
+    limit: u64,
+    reserved_tokens: u64,
+}
+
+impl Use {
+    fn ratio(&self) -> f64 {
+        if self.limit == 0 {
+            0.0
+        } else {
+            self.used as f64 / self.limit as f64
+        }
+    }
+}
+
+fn uses(app: &App, policy: &Policy, now: i64) -> Vec<(usize, Use)> {
+    let windows = app.governor.windows_at(&policy.windows, now);
+    let mut out = Vec::new();
+    for (i, b) in policy.bounds.iter().enumerate() {
+        let Some(key) = fixed_key(b, &windows) else {
+            continue;
+        };
+        let counter = app.governor.ledger.get(&key);
+        let committed = counter.as_ref().map(|c| c.committed()).unwrap_or_default();
+        let reserved = counter.as_ref().map(|c| c.reserved()).unwrap_or_default();
+        let limits = if b.hard.is_empty() { b.soft } else { b.hard };
+        let best = Dim::ALL
+            .into_iter()
+            .filter_map(|d| limits.as_array()[d as usize].map(|l| (d, committed.get(d), l)))
+            .max_by(|a, b| {
+                let r = |(_, u, l): &(Dim, u64, u64)| *u as f64 / (*l).max(1) as f64;
+                r(a).total_cmp(&r(b))
+            });
+        if let Some((dim, used, limit)) = best {
+            out.push((
+                i,
+                Use {
+                    key,
+                    dim,
+                    used,
+                    limit,
+                    reserved_tokens: reserved.tokens,
+                },
+            ));
+        }
+    }
+    out
+}
+
+/// Sets the gauges that are computed from state rather than counted: circuits, quota and
+/// budget ratios, reserved tokens, policy info.
+pub fn set_gauges(app: &App, ops: &Ops) {
+    let snap = app.snap.load();
+    let policy = &snap.policy;
+    let now = jiff::Timestamp::now().as_millisecond();
+    for b in &policy.backends {
+        let state = app.governor.circuit(&b.id).state_at(now);
+        metrics::gauge!(TOLLGATE_CIRCUIT_STATE, "backend" => b.id.to_string()).set(state.gauge());
+    }
+    for (i, u) in uses(app, policy, now) {
+        let b = &policy.bounds[i];
+        let name = match b.class {
+            BoundClass::Quota => TOLLGATE_QUOTA_USED_RATIO,
+            BoundClass::Budget => TOLLGATE_BUDGET_USED_RATIO,
+            BoundClass::RateLimit => continue,
+        };
+        let label = if b.class == BoundClass::Quota {
+            "quota"
+        } else {
+            "budget"
+        };
+        metrics::gauge!(name, label => b.name.to_string()).set(u.ratio());
+    }
+    metrics::gauge!(TOLLGATE_RESERVED_TOKENS).set(app.governor.ledger.reserved_tokens() as f64);
+    let versions = ops
+        .reloads
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .versions
+        .clone();
+    for v in &versions {
+        let on = if **v == *policy.version { 1.0 } else { 0.0 };
+        metrics::gauge!(TOLLGATE_POLICY_INFO, "version" => v.to_string()).set(on);
+    }
+}
+
+fn ts(t: jiff::Timestamp) -> String {
+    t.to_string()
+}
+
+/// The `/admin/status` document.
+pub fn status(app: &App, ops: &Ops) -> Value {
+    let snap = app.snap.load();
+    let policy = &snap.policy;
+    let now = jiff::Timestamp::now();
+    let now_ms = now.as_millisecond();
+    let minute = now_ms.div_euclid(60_000);
+    let tel = crate::telemetry::global();
+    let uw = tel.usage_windows(now_ms);
+
+    let mut backends = Vec::new();
+    let mut tokens_today = serde_json::Map::new();
+    let mut open = Vec::new();
+    for (idx, b) in policy.backends.iter().enumerate() {
+        let circuit = app.governor.circuit(&b.id).state_at(now_ms);
+        if circuit == CircuitState::Open {
+            open.push(b.id.to_string());
+        }
+        let st = tel.stats.get(&b.id);
+        let (ok, failed, avg) = st.as_ref().map_or((0, 0, None), |s| s.recent(minute));
+        let rate = (ok + failed > 0).then(|| ok as f64 / (ok + failed) as f64);
+        let (all_ok, all_failed) = st.as_ref().map_or((0, 0), |s| {
+            (
+                s.ok.load(std::sync::atomic::Ordering::Relaxed),
+                s.failed.load(std::sync::atomic::Ordering::Relaxed),
+            )
+        });
+        let [tin, tout] = st.as_ref().map_or([0, 0], |s| s.tokens_day.get(uw.day));
+        let [cost] = st.as_ref().map_or([0], |s| s.cost_month.get(uw.month));
+        tokens_today.insert(b.id.to_string(), json!(tin + tout));
+        backends.push(json!({
+            "id": &*b.id,
+            "kind": b.kind.as_str(),
+            "eligible": snap.eligible(idx),
+            "circuit": circuit.as_str(),
+            "health": health(circuit, rate),
+            "requests": all_ok + all_failed,
+            "failures": all_failed,
+            "recent": {"minutes": RECENT_MINUTES, "requests": ok + failed, "failures": failed},
+            "success_rate": rate,
+            "avg_latency_ms": avg,
+            "tokens_today": {"input": tin, "output": tout, "total": tin + tout},
+            "cost_month_usd": micros_to_usd(cost),
+        }));
+    }
+    let cost_month: u64 = tel
+        .stats
+        .all()
+        .iter()
+        .map(|s| s.cost_month.get(uw.month)[0])
+        .sum();
+    let tokens_total: u64 = tokens_today.values().filter_map(Value::as_u64).sum();
+
+    let limits: Vec<Value> = uses(app, policy, now_ms)
+        .into_iter()
+        .map(|(i, u)| {
+            let b = &policy.bounds[i];
+            let ratio = u.ratio();
+            let state = if u.used >= u.limit {
+                "exhausted"
+            } else if b.alert_at.iter().any(|a| ratio >= *a) {
+                "alert"
+            } else {
+                "ok"
+            };
+            json!({
+                "name": &*b.name,
+                "class": b.class.as_str(),
+                "scope": b.scope.as_str(),
+                "id": &*u.key.id,
+                "window": b.window.map(|w| w.as_str()),
+                "dim": u.dim.as_str(),
+                "used": u.used,
+                "limit": u.limit,
+                "ratio": ratio,
+                "alert_at": &b.alert_at,
+                "reserved_tokens": u.reserved_tokens,
+                "state": state,
+            })
+        })
+        .collect();
+
+    let st = ops
+        .reloads
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    let last = st.last.map(|(t, trig, ok)| {
+        json!({"at": ts(t), "trigger": trig.as_str(), "result": if ok { "ok" } else { "error" }})
+    });
+    let last_error = st
+        .last_error
+        .map(|(t, trig, msg)| json!({"at": ts(t), "trigger": trig.as_str(), "message": msg}));
+    json!({
+        "now": ts(now),
+        "policy": {
+            "version": &*policy.version,
+            "source": policy.source,
+            "loaded_at": ts(st.loaded_at),
+            "path": ops.policy_path().map(|p| p.display().to_string()),
+            "last_reload": last,
+            "last_error": last_error,
+            "reloads": {"ok": st.ok, "error": st.errors},
+        },
+        "timezone": policy.windows.timezone_name,
+        "day_start": uw.day,
+        "month_start": uw.month,
+        "backends": backends,
+        "tokens_today": tokens_today,
+        "tokens_today_total": tokens_total,
+        "cost_month_usd": micros_to_usd(cost_month),
+        "reserved_tokens": app.governor.ledger.reserved_tokens(),
+        "open_circuits": open,
+        "limits": limits,
+        "health_thresholds": {"red_below": RED_BELOW, "yellow_below": YELLOW_BELOW},
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn health_from_circuit_and_success_rate() {
+        assert_eq!(health(CircuitState::Closed, None), "green");
+        assert_eq!(health(CircuitState::Closed, Some(1.0)), "green");
+        assert_eq!(health(CircuitState::Closed, Some(0.95)), "green");
+        assert_eq!(health(CircuitState::Closed, Some(0.9)), "yellow");
+        assert_eq!(health(CircuitState::HalfOpen, Some(1.0)), "yellow");
+        assert_eq!(health(CircuitState::Closed, Some(0.4)), "red");
+        assert_eq!(health(CircuitState::Open, Some(1.0)), "red");
+    }
+}

@@ -1,0 +1,277 @@
+//! Metrics and the in-process counters behind the admin status: one process-wide Prometheus
+//! recorder (a global recorder can be installed once per process), fed from the finished
+//! audit [`Entry`] of each request so the request path has a single hook.
+//!
+//! Never on the request path: label formatting (handles are resolved once per backend), locks,
+//! or anything unbounded as a label. Gauges that need a scan (quota ratios, circuits) are
+//! computed at scrape time by the admin port.
+
+pub mod alerts;
+pub mod names;
+pub mod stats;
+pub mod window;
+
+use crate::audit::Entry;
+use crate::governor::{FinalAction, ReasonClass};
+use crate::ledger::WindowSet;
+use crate::policy::Policy;
+use arc_swap::ArcSwapOption;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use names::*;
+use stats::{Stats, UsageWindows};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+/// How often the recorder's histograms are drained between scrapes.
+const UPKEEP_EVERY: Duration = Duration::from_secs(5);
+
+/// The process-wide telemetry state.
+pub struct Telemetry {
+    /// `None` when another global recorder was installed first (metrics then go there).
+    handle: Option<PrometheusHandle>,
+    pub stats: Stats,
+    /// Time zone of the policy in force (for "today" and "this month") and its windows.
+    zone: ArcSwapOption<Zone>,
+    pub alerts: alerts::Alerts,
+    /// `tollgate_decisions_total` per (action, reason), resolved once: index
+    /// `action × ReasonClass::ALL.len() + reason`. All series exist from the start, at 0.
+    decisions: Vec<metrics::Counter>,
+    overhead: metrics::Histogram,
+}
+
+struct Zone {
+    name: String,
+    tz: jiff::tz::TimeZone,
+    /// Cached until the minute turns.
+    set: ArcSwapOption<WindowSet>,
+}
+
+static GLOBAL: OnceLock<Telemetry> = OnceLock::new();
+
+/// The telemetry state, installing the Prometheus recorder on first use.
+pub fn global() -> &'static Telemetry {
+    GLOBAL.get_or_init(|| {
+        let handle = install();
+        let decisions = FinalAction::ALL
+            .iter()
+            .flat_map(|a| {
+                ReasonClass::ALL.iter().map(|r| {
+                    metrics::counter!(TOLLGATE_DECISIONS_TOTAL, "action" => a.as_str(), "reason" => r.as_str())
+                })
+            })
+            .collect();
+        Telemetry {
+            handle,
+            stats: Stats::default(),
+            zone: ArcSwapOption::empty(),
+            alerts: alerts::Alerts::default(),
+            decisions,
+            overhead: metrics::histogram!(TOLLGATE_OVERHEAD_SECONDS),
+        }
+    })
+}
+
+fn install() -> Option<PrometheusHandle> {
+    let builder = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Full(AI_REQUEST_DURATION_SECONDS.into()),
+            DURATION_BUCKETS,
+        )
+        .and_then(|b| {
+            b.set_buckets_for_metric(
+                Matcher::Full(TOLLGATE_OVERHEAD_SECONDS.into()),
+                OVERHEAD_BUCKETS,
+            )
+        });
+    let recorder = match builder {
+        Ok(b) => b.build_recorder(),
+        Err(e) => {
+            tracing::error!(error = %e, "metrics: bad bucket configuration; /metrics is off");
+            return None;
+        }
+    };
+    let handle = recorder.handle();
+    if metrics::set_global_recorder(recorder).is_err() {
+        tracing::warn!("metrics: another recorder is installed; /metrics serves nothing");
+        return None;
+    }
+    describe();
+    let h = handle.clone();
+    let spawned = std::thread::Builder::new()
+        .name("tollgate-metrics-upkeep".into())
+        .spawn(move || loop {
+            std::thread::sleep(UPKEEP_EVERY);
+            h.run_upkeep();
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "metrics: no upkeep thread; histograms drain on scrape only");
+    }
+    Some(handle)
+}
+
+impl Telemetry {
+    /// Adopts what the telemetry reads from a policy now in force: the time zone of "today"
+    /// and "this month", and where alerts go. Called at start and after each good reload.
+    pub fn configure(&self, policy: &Policy) {
+        let same_zone = self
+            .zone
+            .load()
+            .as_ref()
+            .is_some_and(|z| z.name == policy.windows.timezone_name);
+        if !same_zone {
+            self.zone.store(Some(Arc::new(Zone {
+                name: policy.windows.timezone_name.clone(),
+                tz: policy.windows.timezone.clone(),
+                set: ArcSwapOption::empty(),
+            })));
+        }
+        self.alerts.configure(&policy.alerts);
+    }
+
+    /// The calendar windows at `now` (ms) in the configured zone (UTC before any policy).
+    pub fn windows(&self, now: i64) -> WindowSet {
+        let zone = self.zone.load();
+        let Some(z) = zone.as_ref() else {
+            return WindowSet::at(&jiff::tz::TimeZone::UTC, now);
+        };
+        if let Some(s) = &*z.set.load() {
+            if s.holds_at(now) {
+                return **s;
+            }
+        }
+        let s = WindowSet::at(&z.tz, now);
+        z.set.store(Some(Arc::new(s)));
+        s
+    }
+
+    /// Starts of today and this month at `now`.
+    pub fn usage_windows(&self, now: i64) -> UsageWindows {
+        let w = self.windows(now);
+        UsageWindows {
+            day: w.key(crate::units::Window::Day).start,
+            month: w.key(crate::units::Window::Month).start,
+        }
+    }
+
+    /// The Prometheus text of every metric (empty when another recorder is installed).
+    pub fn render(&self) -> String {
+        let mut out = self.handle.as_ref().map(|h| h.render()).unwrap_or_default();
+        self.stats.render_cost(&mut out);
+        out
+    }
+}
+
+/// Records the metrics of a finished request whose answer was buffered (or refused).
+pub fn observe(entry: &Entry) {
+    record(entry, true);
+}
+
+/// Records the metrics of a finished stream. Its wall time includes the streaming itself,
+/// so it says nothing about the sidecar's overhead and is left out of that histogram.
+pub fn observe_stream(entry: &Entry) {
+    record(entry, false);
+}
+
+fn record(entry: &Entry, overhead: bool) {
+    let t = global();
+    let rec = &entry.record;
+    let a = FinalAction::ALL.iter().position(|x| *x == rec.final_action);
+    let r = ReasonClass::ALL.iter().position(|x| *x == rec.reason_class);
+    if let (Some(a), Some(r)) = (a, r) {
+        if let Some(c) = t.decisions.get(a * ReasonClass::ALL.len() + r) {
+            c.increment(1);
+        }
+    }
+    let now = jiff::Timestamp::now().as_millisecond();
+    let minute = now.div_euclid(60_000);
+    let mut upstream_ms = 0i64;
+    for a in &rec.attempts {
+        upstream_ms += a.latency_ms.max(0) + a.waited_ms.max(0);
+        let failure = match a.outcome {
+            "ok" | "not_retryable" => None,
+            class => Some(class),
+        };
+        t.stats
+            .backend(&a.backend)
+            .attempt(minute, failure, a.latency_ms);
+    }
+    if overhead {
+        let ms = (entry.latency_ms - upstream_ms as f64).max(0.0);
+        t.overhead.record(ms / 1000.0);
+    }
+    // Settled usage of a call an upstream served (a passed-through client error is not).
+    let served = rec.usage_evidence_state != crate::governor::UsageEvidence::None
+        && rec.attempts.iter().any(|a| a.backend == rec.backend);
+    if served {
+        let model = rec
+            .upstream_model
+            .clone()
+            .unwrap_or_else(|| Arc::from("unknown"));
+        t.stats.backend(&rec.backend).usage(
+            t.usage_windows(now),
+            &model,
+            rec.actual_input_tokens,
+            rec.actual_output_tokens,
+            crate::units::usd_to_micros(rec.cost_usd),
+        );
+    }
+    if !rec.alerts.is_empty() {
+        let _dropped = t.alerts.emit(rec, &entry.ts);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::governor::{AttemptRecord, CircuitState, Record, UsageEvidence};
+
+    /// Cost of the request-path hook for a served request with one attempt. A measurement,
+    /// not a check: `cargo test --lib observe_cost -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn observe_cost() {
+        let mut rec = Record::new(
+            Arc::from("v"),
+            Arc::from("r"),
+            Arc::from("r"),
+            Arc::from("c"),
+            Arc::from("chat"),
+        );
+        rec.backend = Arc::from("bench-b");
+        rec.upstream_model = Some(Arc::from("m"));
+        rec.usage_evidence_state = UsageEvidence::Actual;
+        rec.actual_input_tokens = 10;
+        rec.actual_output_tokens = 5;
+        rec.cost_usd = 0.001;
+        rec.attempts.push(AttemptRecord {
+            backend: Arc::from("bench-b"),
+            model: Arc::from("m"),
+            attempt: 1,
+            probe: false,
+            worst_tokens: 100,
+            worst_cost_usd: 0.01,
+            max_output_tokens: 50,
+            outcome: "ok",
+            status: Some(200),
+            retry_after_ms: None,
+            circuit_before: CircuitState::Closed,
+            circuit_after: CircuitState::Closed,
+            latency_ms: 3,
+            waited_ms: 0,
+        });
+        let entry = Entry {
+            ts: "2026-01-01T00:00:00Z".into(),
+            endpoint: "chat.completions",
+            latency_ms: 3.2,
+            record: rec,
+        };
+        observe(&entry);
+        let n = 200_000;
+        let t0 = std::time::Instant::now();
+        for _ in 0..n {
+            observe(&entry);
+        }
+        let per = t0.elapsed().as_nanos() as f64 / n as f64;
+        eprintln!("observe: {per:.0} ns per request");
+    }
+}

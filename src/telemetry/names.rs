@@ -1,0 +1,110 @@
+//! Every metric name in one place (OPERATIONS.md is the contract: extend, never rename),
+//! described once at start with its unit. Labels are bounded: backend ids and model names
+//! come from the policy, the rest from closed enums — never a request id, path or message.
+
+use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+
+/// counter {provider, model, direction}: committed actual tokens.
+pub const AI_TOKENS_TOTAL: &str = "ai_tokens_total";
+/// counter {provider, class}: failed upstream attempts.
+pub const AI_REQUESTS_FAILED_TOTAL: &str = "ai_requests_failed_total";
+/// counter {provider, outcome}: upstream attempts.
+pub const AI_REQUESTS_TOTAL: &str = "ai_requests_total";
+/// counter {provider}: committed cost in USD (a float counter, rendered by `Stats`).
+pub const AI_COST_USD_TOTAL: &str = "ai_cost_usd_total";
+/// histogram {provider}: upstream latency of one attempt.
+pub const AI_REQUEST_DURATION_SECONDS: &str = "ai_request_duration_seconds";
+/// histogram: time in the sidecar itself, upstream attempts and waits excluded.
+pub const TOLLGATE_OVERHEAD_SECONDS: &str = "tollgate_overhead_seconds";
+/// counter {action, reason}: one per governed request.
+pub const TOLLGATE_DECISIONS_TOTAL: &str = "tollgate_decisions_total";
+/// gauge {backend}: 0 closed, 1 half-open, 2 open.
+pub const TOLLGATE_CIRCUIT_STATE: &str = "tollgate_circuit_state";
+/// gauge {quota}: used / limit in the current window.
+pub const TOLLGATE_QUOTA_USED_RATIO: &str = "tollgate_quota_used_ratio";
+/// gauge {budget}: used / limit in the current window.
+pub const TOLLGATE_BUDGET_USED_RATIO: &str = "tollgate_budget_used_ratio";
+/// gauge: worst-case tokens reserved by calls in flight.
+pub const TOLLGATE_RESERVED_TOKENS: &str = "tollgate_reserved_tokens";
+/// counter {result}: policy reload attempts.
+pub const TOLLGATE_POLICY_RELOADS_TOTAL: &str = "tollgate_policy_reloads_total";
+/// gauge {version}: 1 for the version in force.
+pub const TOLLGATE_POLICY_INFO: &str = "tollgate_policy_info";
+/// counter {outcome}: alert crossings and their webhook deliveries (an extension).
+pub const TOLLGATE_ALERTS_TOTAL: &str = "tollgate_alerts_total";
+
+/// Upstream latency buckets, seconds: local models answer in ms, big ones in a minute.
+pub const DURATION_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+/// Sidecar overhead buckets, seconds: tens of microseconds to a few milliseconds.
+pub const OVERHEAD_BUCKETS: &[f64] = &[
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1,
+];
+
+/// Registers help text and units with the recorder in force.
+pub fn describe() {
+    describe_counter!(
+        AI_TOKENS_TOTAL,
+        Unit::Count,
+        "Committed actual tokens by backend (provider), upstream model and direction"
+    );
+    describe_counter!(
+        AI_REQUESTS_FAILED_TOTAL,
+        Unit::Count,
+        "Failed upstream attempts by backend and failure class (429, 5xx, timeout, connect, auth)"
+    );
+    describe_counter!(
+        AI_REQUESTS_TOTAL,
+        Unit::Count,
+        "Upstream attempts by backend and outcome (success/failure)"
+    );
+    describe_histogram!(
+        AI_REQUEST_DURATION_SECONDS,
+        Unit::Seconds,
+        "Latency of one upstream attempt by backend"
+    );
+    describe_histogram!(
+        TOLLGATE_OVERHEAD_SECONDS,
+        Unit::Seconds,
+        "Time spent in the sidecar itself per request, upstream attempts and waits excluded (buffered answers only)"
+    );
+    describe_counter!(
+        TOLLGATE_DECISIONS_TOTAL,
+        Unit::Count,
+        "Governed requests by final action and reason class"
+    );
+    describe_gauge!(
+        TOLLGATE_CIRCUIT_STATE,
+        "Circuit breaker state per backend: 0 closed, 1 half-open, 2 open"
+    );
+    describe_gauge!(
+        TOLLGATE_QUOTA_USED_RATIO,
+        Unit::Count,
+        "Used / limit of a named quota in its current calendar window (fixed-id quotas)"
+    );
+    describe_gauge!(
+        TOLLGATE_BUDGET_USED_RATIO,
+        Unit::Count,
+        "Used / limit of a global or fixed-id budget in its current window"
+    );
+    describe_gauge!(
+        TOLLGATE_RESERVED_TOKENS,
+        Unit::Count,
+        "Worst-case tokens reserved by calls in flight"
+    );
+    describe_counter!(
+        TOLLGATE_POLICY_RELOADS_TOTAL,
+        Unit::Count,
+        "Policy reload attempts by result (ok/error)"
+    );
+    describe_gauge!(
+        TOLLGATE_POLICY_INFO,
+        "1 for the policy version in force, 0 for versions replaced since start"
+    );
+    describe_counter!(
+        TOLLGATE_ALERTS_TOTAL,
+        Unit::Count,
+        "Alert threshold crossings (logged) and webhook deliveries (delivered/failed/dropped)"
+    );
+}
