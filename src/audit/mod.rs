@@ -1,15 +1,40 @@
-//! The audit trail: one JSON line per governed request, written by a background thread
+//! The audit trail: one record per governed request, written by a background thread
 //! through a bounded queue. When the queue is full the request waits — records are never
 //! dropped. Records hold ids, counts and reasons; never a key, a prompt or a response.
+//!
+//! Sinks: JSONL (the full decision record), or the usage log (`row`) in SQLite (`sqlite`)
+//! or Postgres (`postgres`); `report` reads the usage log back for `tollgate usage`.
+
+pub mod postgres;
+pub mod report;
+pub mod row;
+pub mod sqlite;
+
+pub use row::{usage_row, valid_table, UsageRow};
 
 use crate::governor::Record;
 use serde::Serialize;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use tokio::sync::mpsc;
 
 /// How long the writer lets records gather after writing a batch (bounds the audit lag).
 const BATCH_PAUSE: std::time::Duration = std::time::Duration::from_millis(5);
+/// Most usage rows written in one transaction / statement.
+const MAX_BATCH: usize = 1000;
+
+/// Why a sink could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum AuditError {
+    #[error("cannot open the audit file: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("audit.table `{0}` is not a plain SQL name")]
+    Table(String),
+    #[error("sqlite usage log: {0}")]
+    Sqlite(String),
+    #[error("postgres usage log: {0}")]
+    Postgres(String),
+}
 
 /// One audit line: the decision record plus when and where.
 #[derive(Debug, Serialize)]
@@ -80,6 +105,34 @@ impl Audit {
             if tx.send(e).await.is_err() {
                 tracing::error!("audit writer is gone; record not written");
             }
+        }
+    }
+}
+
+/// Appends usage rows that could not reach their database to `path` as JSON lines (last
+/// resort at shutdown: the rows are kept for an operator to load, not dropped).
+fn spill(path: &Path, rows: &[UsageRow]) {
+    let res = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .and_then(|f| {
+            let mut out = std::io::BufWriter::new(f);
+            for r in rows {
+                serde_json::to_writer(&mut out, r)?;
+                out.write_all(b"\n")?;
+            }
+            out.flush()?;
+            out.into_inner().map_err(|e| e.into_error())?.sync_all()
+        });
+    match res {
+        Ok(()) => tracing::error!(
+            rows = rows.len(),
+            path = %path.display(),
+            "usage log: database unreachable at shutdown; rows spilled to the JSON lines file"
+        ),
+        Err(err) => {
+            tracing::error!(%err, rows = rows.len(), "usage log: cannot spill rows; they are lost")
         }
     }
 }

@@ -55,6 +55,8 @@ pub const DEFAULT_JOB_IDLE_TTL: Duration = Duration::from_secs(3600);
 pub const DEFAULT_AUDIT_SINK: &str = "jsonl";
 pub const DEFAULT_AUDIT_PATH: &str = "tollgate-audit.jsonl";
 pub const DEFAULT_AUDIT_QUEUE: usize = 8192;
+/// The usage-log table of the sqlite and postgres sinks (the ADR's name).
+pub const DEFAULT_AUDIT_TABLE: &str = "ai_usage_logs";
 /// `match` when absent: a separate counter per id.
 pub const MATCH_ANY: &str = "*";
 
@@ -272,6 +274,7 @@ pub struct RawAudit {
     pub path: Option<String>,
     pub postgres_url: Option<String>,
     pub queue: Option<usize>,
+    pub table: Option<String>,
 }
 
 /// A scalar read as text: YAML turns `version: 2026.1` or `match: 42` into numbers, but
