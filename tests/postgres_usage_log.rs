@@ -182,6 +182,7 @@ async fn postgres_usage_log_has_one_row_per_request_of_a_load_run() {
         t0.elapsed()
     );
     assert_one_row_each(&ids, &sent);
+    assert_eq!(writer.failures(), 0);
 
     // The row's columns, and `tollgate usage --postgres` over the same table.
     let c = client().await.expect("postgres up");
@@ -268,6 +269,7 @@ fn ensure_postgres_up() {
             .arg("--skip-systemctl-redirect")
             .arg(&version)
             .args(["main", "start"])
+            .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .status();
     }
@@ -278,6 +280,28 @@ impl Drop for KeepPostgresUp {
     fn drop(&mut self) {
         ensure_postgres_up();
     }
+}
+
+/// Terminates the audit writer's backends every 20 ms until `done` reaches `n`; returns how
+/// many were killed.
+async fn kill_writers_until(done: &AtomicUsize, n: usize) -> usize {
+    let mut kills = 0;
+    while done.load(Ordering::Relaxed) < n {
+        if let Some(c) = client().await {
+            if let Ok(r) = c
+                .query(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                     WHERE application_name = 'tollgate-audit' AND pid <> pg_backend_pid()",
+                    &[],
+                )
+                .await
+            {
+                kills += r.len();
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    kills
 }
 
 async fn postmaster_start() -> Option<String> {
@@ -293,16 +317,16 @@ async fn postmaster_start() -> Option<String> {
 async fn postgres_usage_log_loses_no_row_when_postgres_restarts_mid_run() {
     let _serial = SERIAL.lock().await;
     let _up_guard = KeepPostgresUp;
-    const N: usize = 400;
+    const N: usize = 600;
     let table = table("restart");
-    // 10 ms per upstream call, 8 at a time: the run lasts about half a second of calls plus
-    // the restart, so rows are queued before, during and after the outage.
-    let (_up, sc, writer, spill) = start("restart", &table, Duration::from_millis(10)).await;
+    // 25 ms per upstream call, 4 at a time: the run lasts about 4 s and the restart (about
+    // 2.5 s here) starts a quarter in, so rows are queued before, during and after the outage.
+    let (_up, sc, writer, spill) = start("restart", &table, Duration::from_millis(25)).await;
     let before = postmaster_start()
         .await
         .expect("postgres up before the test");
     let done = Arc::new(AtomicUsize::new(0));
-    let run = tokio::spawn(load(sc.chat_url(), "restart", N, 8, done.clone()));
+    let run = tokio::spawn(load(sc.chat_url(), "restart", N, 4, done.clone()));
     while done.load(Ordering::Relaxed) < N / 4 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -314,17 +338,7 @@ async fn postgres_usage_log_loses_no_row_when_postgres_restarts_mid_run() {
     if !restarted {
         // No restart possible here: kill the writer's connections until the run ends.
         eprintln!("pg_ctlcluster restart unavailable; terminating the writer's backends instead");
-        while done.load(Ordering::Relaxed) < N {
-            if let Some(c) = client().await {
-                if let Ok(r) = c
-                    .query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'tollgate-audit' AND pid <> pg_backend_pid()", &[])
-                    .await
-                {
-                    kills += r.len();
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        kills = kill_writers_until(&done, N).await;
     }
     let after_restart = done.load(Ordering::Relaxed);
     let sent = run.await.expect("load run");
@@ -337,6 +351,9 @@ async fn postgres_usage_log_loses_no_row_when_postgres_restarts_mid_run() {
          {after_restart}; postmaster {before} -> {after}; rows {}",
         ids.len()
     );
+    let failures = writer.failures();
+    eprintln!("writer: {failures} failed batch writes, each retried");
+    assert!(failures > 0, "the outage reached the writer");
     if restarted {
         assert_ne!(before, after, "the server really restarted");
         assert!(
@@ -352,6 +369,72 @@ async fn postgres_usage_log_loses_no_row_when_postgres_restarts_mid_run() {
         !spill.exists(),
         "nothing spilled: Postgres was back before shutdown"
     );
+    drop_table(&table).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_usage_log_loses_no_row_when_its_connections_are_killed() {
+    let _serial = SERIAL.lock().await;
+    const N: usize = 400;
+    let table = table("kill");
+    let (_up, sc, writer, spill) = start("kill", &table, Duration::from_millis(5)).await;
+    let done = Arc::new(AtomicUsize::new(0));
+    let run = tokio::spawn(load(sc.chat_url(), "kill", N, 4, done.clone()));
+    let kills = kill_writers_until(&done, N).await;
+    let sent = run.await.expect("load run");
+    let ids = wait_rows(&table, N).await;
+    eprintln!(
+        "kill: {kills} writer connections terminated, {} failed batch writes retried, rows {}",
+        writer.failures(),
+        ids.len()
+    );
+    assert!(
+        kills > 0 && writer.failures() > 0,
+        "the writer lost connections"
+    );
+    assert_one_row_each(&ids, &sent);
+    stop(sc, writer).await;
+    assert!(!spill.exists());
+    drop_table(&table).await;
+}
+
+/// The same batch inserted twice (a retry after a commit whose answer was lost) adds its rows
+/// once: ids are made before the first try.
+#[tokio::test]
+async fn a_retried_batch_is_not_duplicated() {
+    use tollgate::audit::postgres::{ddl, insert, insert_sql};
+    use tollgate::audit::{usage_row, Entry};
+    let _serial = SERIAL.lock().await;
+    let table = table("idem");
+    let c = client().await.expect("postgres up");
+    c.batch_execute(&ddl(&table)).await.expect("ddl");
+    let st = c.prepare(&insert_sql(&table)).await.expect("prepare");
+    let rows: Vec<_> = (0..50)
+        .map(|i| {
+            let rec = tollgate::governor::Record::new(
+                "v".into(),
+                format!("idem-{i}").into(),
+                "j".into(),
+                "c".into(),
+                "chat".into(),
+            );
+            usage_row(&Entry {
+                ts: jiff::Timestamp::now().to_string(),
+                endpoint: "chat_completions",
+                latency_ms: 1.0,
+                record: rec,
+            })
+        })
+        .collect();
+    assert_eq!(insert(&c, &st, &rows[..30]).await.expect("first"), 30);
+    assert_eq!(
+        insert(&c, &st, &rows).await.expect("retry"),
+        20,
+        "only the new rows"
+    );
+    let ids = request_ids(&table).await.expect("read");
+    let sent: HashSet<String> = (0..50).map(|i| format!("idem-{i}")).collect();
+    assert_one_row_each(&ids, &sent);
     drop_table(&table).await;
 }
 

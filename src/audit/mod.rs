@@ -57,6 +57,8 @@ pub struct Audit {
 #[derive(Debug)]
 pub struct AuditWriter {
     thread: Option<std::thread::JoinHandle<()>>,
+    /// Failed write attempts of a database sink (each one is retried): how an outage shows.
+    failures: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Audit {
@@ -95,6 +97,7 @@ impl Audit {
             Audit { tx: Some(tx) },
             AuditWriter {
                 thread: Some(thread),
+                failures: Default::default(),
             },
         ))
     }
@@ -146,6 +149,11 @@ fn write_one(out: &mut impl Write, e: &Entry) {
 }
 
 impl AuditWriter {
+    /// Failed (and retried) batch writes since start; 0 for JSONL.
+    pub fn failures(&self) -> u64 {
+        self.failures.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Waits until every queued record is written (all `Audit` senders must be dropped).
     pub fn finish(mut self) {
         if let Some(t) = self.thread.take() {

@@ -58,7 +58,8 @@ pub fn ddl(t: &str) -> String {
     )
 }
 
-fn insert_sql(t: &str) -> String {
+/// The batch insert for `t` (prepare once per connection).
+pub fn insert_sql(t: &str) -> String {
     // Arrays of text for id/created_at, cast in the SELECT: the client sends plain text.
     let types = [
         "text", "text", "text", "text", "int8", "int8", "int8", "bool", "text", "text", "text",
@@ -225,14 +226,17 @@ impl Audit {
             .enable_all()
             .build()
             .map_err(|e| AuditError::Postgres(e.to_string()))?;
+        let failures = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let failed = failures.clone();
         let thread = std::thread::Builder::new()
             .name("tollgate-audit-pg".into())
-            .spawn(move || rt.block_on(run(rx, cfg, table, spill_path)))
+            .spawn(move || rt.block_on(run(rx, cfg, table, spill_path, failed)))
             .map_err(|e| AuditError::Postgres(e.to_string()))?;
         Ok((
             Audit { tx: Some(tx) },
             AuditWriter {
                 thread: Some(thread),
+                failures,
             },
         ))
     }
@@ -243,6 +247,7 @@ async fn run(
     cfg: tokio_postgres::Config,
     table: String,
     spill_path: PathBuf,
+    failed: std::sync::Arc<std::sync::atomic::AtomicU64>,
 ) {
     let mut conn: Option<Conn> = None;
     let mut batch: Vec<UsageRow> = Vec::new();
@@ -266,6 +271,7 @@ async fn run(
                 Ok(()) => break,
                 Err(err) => {
                     conn = None;
+                    failed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     tracing::warn!(%err, rows = batch.len(), "usage log: postgres insert failed; reconnecting");
                     if rx.is_closed() {
                         failed_after_close += 1;
