@@ -352,10 +352,14 @@ async fn postgres_usage_log_loses_no_row_when_postgres_restarts_mid_run() {
         ids.len()
     );
     let failures = writer.failures();
-    eprintln!("writer: {failures} failed batch writes, each retried");
+    eprintln!(
+        "writer: {failures} failed batch writes, each retried; {} rows spilled and loaded back",
+        writer.spilled()
+    );
     assert!(failures > 0, "the outage reached the writer");
     if restarted {
         assert_ne!(before, after, "the server really restarted");
+        assert!(writer.spilled() > 0, "rows arrived during the outage");
         assert!(
             after_restart < N,
             "the restart happened while the run was going on"
@@ -435,6 +439,77 @@ async fn a_retried_batch_is_not_duplicated() {
     let ids = request_ids(&table).await.expect("read");
     let sent: HashSet<String> = (0..50).map(|i| format!("idem-{i}")).collect();
     assert_one_row_each(&ids, &sent);
+    drop_table(&table).await;
+}
+
+/// Postgres unreachable for a whole run: requests do not wait on it (rows go to the spill
+/// file), shutdown does not hang, and the next start loads the spill file into the table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_spilled_while_postgres_is_down_are_loaded_at_the_next_start() {
+    use tollgate::audit::Entry;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let spill = dir.path().join("spill.jsonl");
+    // Port 1 on loopback: connection refused at once.
+    let (audit, writer) = Audit::postgres(
+        "postgres://postgres@127.0.0.1:1/test",
+        "t",
+        8,
+        spill.clone(),
+    )
+    .expect("start");
+    for i in 0..20 {
+        let rec = tollgate::governor::Record::new(
+            "v".into(),
+            format!("spill-{i}").into(),
+            "j".into(),
+            "c".into(),
+            "chat".into(),
+        );
+        let e = Entry {
+            ts: jiff::Timestamp::now().to_string(),
+            endpoint: "chat_completions",
+            latency_ms: 1.0,
+            record: rec,
+        };
+        // The queue holds 8; with the writer spilling, none of these waits for long.
+        tokio::time::timeout(Duration::from_secs(5), audit.record(e))
+            .await
+            .expect("a record is taken while the database is down");
+    }
+    drop(audit);
+    let t0 = Instant::now();
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::task::spawn_blocking(move || writer.finish()),
+    )
+    .await
+    .expect("shutdown does not hang")
+    .expect("join");
+    let text = std::fs::read_to_string(&spill).expect("spill file");
+    let ids: Vec<String> = text
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).expect("json line")["request_id"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    let sent: HashSet<String> = (0..20).map(|i| format!("spill-{i}")).collect();
+    eprintln!("spill: {} rows after {:?}", ids.len(), t0.elapsed());
+    assert_one_row_each(&ids, &sent);
+
+    // The next start, with Postgres reachable, loads the file and removes it.
+    let _serial = SERIAL.lock().await;
+    let table = table("spill");
+    let (audit, writer) = Audit::postgres(URL, &table, 8, spill.clone()).expect("start");
+    let ids = wait_rows(&table, 20).await;
+    assert_one_row_each(&ids, &sent);
+    drop(audit);
+    tokio::task::spawn_blocking(move || writer.finish())
+        .await
+        .expect("join");
+    assert!(!spill.exists(), "the spill file is removed once loaded");
     drop_table(&table).await;
 }
 

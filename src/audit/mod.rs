@@ -57,8 +57,16 @@ pub struct Audit {
 #[derive(Debug)]
 pub struct AuditWriter {
     thread: Option<std::thread::JoinHandle<()>>,
-    /// Failed write attempts of a database sink (each one is retried): how an outage shows.
-    failures: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    stats: std::sync::Arc<Stats>,
+}
+
+/// What a database sink went through: how an outage shows.
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Failed batch writes (each one is retried).
+    pub failures: std::sync::atomic::AtomicU64,
+    /// Rows written to the spill file while the database was away.
+    pub spilled: std::sync::atomic::AtomicU64,
 }
 
 impl Audit {
@@ -97,7 +105,7 @@ impl Audit {
             Audit { tx: Some(tx) },
             AuditWriter {
                 thread: Some(thread),
-                failures: Default::default(),
+                stats: Default::default(),
             },
         ))
     }
@@ -112,9 +120,9 @@ impl Audit {
     }
 }
 
-/// Appends usage rows that could not reach their database to `path` as JSON lines (last
-/// resort at shutdown: the rows are kept for an operator to load, not dropped).
-fn spill(path: &Path, rows: &[UsageRow]) {
+/// Appends usage rows that could not reach their database to `path` as JSON lines, synced;
+/// `false` when that failed too (the caller keeps the rows).
+fn spill(path: &Path, rows: &[UsageRow]) -> bool {
     let res = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -129,13 +137,17 @@ fn spill(path: &Path, rows: &[UsageRow]) {
             out.into_inner().map_err(|e| e.into_error())?.sync_all()
         });
     match res {
-        Ok(()) => tracing::error!(
-            rows = rows.len(),
-            path = %path.display(),
-            "usage log: database unreachable at shutdown; rows spilled to the JSON lines file"
-        ),
+        Ok(()) => {
+            tracing::warn!(
+                rows = rows.len(),
+                path = %path.display(),
+                "usage log: database unreachable; rows spilled to the JSON lines file"
+            );
+            true
+        }
         Err(err) => {
-            tracing::error!(%err, rows = rows.len(), "usage log: cannot spill rows; they are lost")
+            tracing::error!(%err, rows = rows.len(), "usage log: cannot spill rows");
+            false
         }
     }
 }
@@ -151,7 +163,16 @@ fn write_one(out: &mut impl Write, e: &Entry) {
 impl AuditWriter {
     /// Failed (and retried) batch writes since start; 0 for JSONL.
     pub fn failures(&self) -> u64 {
-        self.failures.load(std::sync::atomic::Ordering::Relaxed)
+        self.stats
+            .failures
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Rows spilled to the local file while the database was away, since start.
+    pub fn spilled(&self) -> u64 {
+        self.stats
+            .spilled
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Waits until every queued record is written (all `Audit` senders must be dropped).

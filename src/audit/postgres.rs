@@ -5,10 +5,11 @@
 //!
 //! Outages: a batch that fails is kept, the connection is dropped, and the writer reconnects
 //! with backoff and inserts the same batch again. Row ids are made before the first try, so
-//! a batch whose commit landed just before the connection died is not duplicated. While the
-//! writer is stuck, the bounded queue fills and then requests wait (back-pressure); at
-//! shutdown the writer tries for `SHUTDOWN_TRIES` more rounds and then spills what is left to
-//! the JSONL spill file instead of hanging the exit or dropping rows.
+//! a batch whose commit landed just before the connection died is not duplicated. Rows that
+//! arrive during the outage are appended to a local spill file (JSON lines) instead of
+//! filling the queue, so requests do not wait on the database; once it is back, the file is
+//! loaded (idempotently) and removed. At shutdown the writer tries `SHUTDOWN_TRIES` more
+//! rounds, then spills what it holds; the next start loads it.
 
 use super::row::{usage_row, UsageRow, COLUMNS};
 use super::{spill, Audit, AuditError, AuditWriter, Entry, BATCH_PAUSE, MAX_BATCH};
@@ -226,8 +227,8 @@ impl Audit {
             .enable_all()
             .build()
             .map_err(|e| AuditError::Postgres(e.to_string()))?;
-        let failures = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let failed = failures.clone();
+        let stats = std::sync::Arc::new(super::Stats::default());
+        let failed = stats.clone();
         let thread = std::thread::Builder::new()
             .name("tollgate-audit-pg".into())
             .spawn(move || rt.block_on(run(rx, cfg, table, spill_path, failed)))
@@ -236,7 +237,7 @@ impl Audit {
             Audit { tx: Some(tx) },
             AuditWriter {
                 thread: Some(thread),
-                failures,
+                stats,
             },
         ))
     }
@@ -247,12 +248,15 @@ async fn run(
     cfg: tokio_postgres::Config,
     table: String,
     spill_path: PathBuf,
-    failed: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    failed: std::sync::Arc<super::Stats>,
 ) {
     let mut conn: Option<Conn> = None;
     let mut batch: Vec<UsageRow> = Vec::new();
+    // Rows spilled by an earlier run (an outage, or a shutdown with the database away) are
+    // loaded first; ids make the replay idempotent.
+    let mut spilled = spill_path.exists();
     loop {
-        if batch.is_empty() {
+        if batch.is_empty() && !spilled {
             match rx.recv().await {
                 Some(e) => batch.push(usage_row(&e)),
                 None => return,
@@ -267,29 +271,127 @@ async fn run(
         let mut pause = RETRY_MIN;
         let mut failed_after_close = 0u32;
         loop {
-            match try_insert(&mut conn, &cfg, &table, &batch).await {
-                Ok(()) => break,
-                Err(err) => {
-                    conn = None;
-                    failed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    tracing::warn!(%err, rows = batch.len(), "usage log: postgres insert failed; reconnecting");
-                    if rx.is_closed() {
-                        failed_after_close += 1;
-                        if failed_after_close >= SHUTDOWN_TRIES {
-                            // Shutting down with the database away: spill instead of hanging.
-                            while let Ok(e) = rx.try_recv() {
-                                batch.push(usage_row(&e));
-                            }
-                            spill(&spill_path, &batch);
-                            return;
-                        }
+            let err = match try_insert(&mut conn, &cfg, &table, &batch).await {
+                Ok(()) if !spilled => break,
+                Ok(()) => match replay(&mut conn, &cfg, &table, &spill_path).await {
+                    Ok(n) => {
+                        tracing::info!(rows = n, "usage log: spilled rows loaded into postgres");
+                        spilled = false;
+                        break;
                     }
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(RETRY_MAX);
+                    Err(e) => e,
+                },
+                Err(e) => e,
+            };
+            conn = None;
+            failed
+                .failures
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::warn!(%err, rows = batch.len(), "usage log: postgres write failed; reconnecting");
+            if rx.is_closed() {
+                failed_after_close += 1;
+                if failed_after_close >= SHUTDOWN_TRIES {
+                    // Shutting down with the database away: spill instead of hanging; the
+                    // next start loads the file.
+                    while let Ok(e) = rx.try_recv() {
+                        batch.push(usage_row(&e));
+                    }
+                    if !spill(&spill_path, &batch) {
+                        tracing::error!(rows = batch.len(), "usage log: rows lost at shutdown");
+                    }
+                    return;
                 }
             }
+            // Until the retry, rows that arrive go to the spill file: requests never wait
+            // on an outage (the file is loaded, in order, once the database is back).
+            let until = tokio::time::Instant::now() + pause;
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(until) => break,
+                    e = rx.recv() => {
+                        let Some(e) = e else {
+                            // Shutting down: still wait out the pause before the next try.
+                            tokio::time::sleep_until(until).await;
+                            break;
+                        };
+                        let mut more = vec![usage_row(&e)];
+                        while let Ok(e) = rx.try_recv() {
+                            more.push(usage_row(&e));
+                        }
+                        if spill(&spill_path, &more) {
+                            failed
+                                .spilled
+                                .fetch_add(more.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                            spilled = true;
+                        } else {
+                            batch.extend(more);
+                        }
+                    }
+                }
+            }
+            pause = (pause * 2).min(RETRY_MAX);
         }
         batch.clear();
         tokio::time::sleep(BATCH_PAUSE).await;
     }
+}
+
+/// Loads the spill file into the table in batches, then removes it. Lines that do not parse
+/// (a torn last line after a crash) are moved to `<spill>.bad` instead of being dropped.
+async fn replay(
+    conn: &mut Option<Conn>,
+    cfg: &tokio_postgres::Config,
+    table: &str,
+    path: &std::path::Path,
+) -> Result<u64, String> {
+    use std::io::BufRead;
+    let f = match std::fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(e.to_string()),
+    };
+    let (mut chunk, mut bad, mut n) = (Vec::new(), Vec::new(), 0u64);
+    for line in std::io::BufReader::new(f).lines() {
+        let line = line.map_err(|e| e.to_string())?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        match serde_json::from_str::<UsageRow>(&line) {
+            Ok(r) => chunk.push(r),
+            Err(_) => bad.push(line),
+        }
+        if chunk.len() >= MAX_BATCH {
+            try_insert(conn, cfg, table, &chunk).await?;
+            n += chunk.len() as u64;
+            chunk.clear();
+        }
+    }
+    if !chunk.is_empty() {
+        try_insert(conn, cfg, table, &chunk).await?;
+        n += chunk.len() as u64;
+    }
+    if !bad.is_empty() {
+        let mut b = path.as_os_str().to_owned();
+        b.push(".bad");
+        let mut text = bad.join("\n");
+        text.push('\n');
+        use std::io::Write;
+        let res = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&b)
+            .and_then(|mut f| f.write_all(text.as_bytes()));
+        if let Err(e) = res {
+            return Err(format!(
+                "cannot keep {} unreadable spilled lines: {e}",
+                bad.len()
+            ));
+        }
+        tracing::error!(
+            lines = bad.len(),
+            "usage log: unreadable spilled lines kept in the .bad file"
+        );
+    }
+    std::fs::remove_file(path).map_err(|e| e.to_string())?;
+    Ok(n)
 }

@@ -7,7 +7,7 @@ use super::Entry;
 /// One usage-log row. `id` is made by the sidecar when the row is built (not the client's
 /// request id, which a client may repeat): a retried batch re-inserts the same ids and the
 /// database ignores the ones already committed.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct UsageRow {
     pub id: String,
     /// UTC, RFC 3339 with exactly six fractional digits, so text order is time order.

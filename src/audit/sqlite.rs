@@ -116,8 +116,8 @@ impl Audit {
         let mut conn = open(path, table).map_err(|e| super::AuditError::Sqlite(e.to_string()))?;
         let table = table.to_owned();
         let (tx, mut rx) = mpsc::channel::<Entry>(queue.max(1));
-        let failures = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let failed = failures.clone();
+        let stats = std::sync::Arc::new(super::Stats::default());
+        let failed = stats.clone();
         let thread = std::thread::Builder::new()
             .name("tollgate-audit-sqlite".into())
             .spawn(move || {
@@ -135,7 +135,7 @@ impl Audit {
                     let mut pause = RETRY_MIN;
                     let mut failed_after_close = 0u32;
                     while let Err(err) = insert(&mut conn, &table, &batch) {
-                        failed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        failed.failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         tracing::error!(%err, rows = batch.len(), "usage log: sqlite insert failed; retrying");
                         if rx.is_closed() {
                             failed_after_close += 1;
@@ -143,7 +143,9 @@ impl Audit {
                                 while let Ok(e) = rx.try_recv() {
                                     batch.push(usage_row(&e));
                                 }
-                                spill(&spill_path, &batch);
+                                if !spill(&spill_path, &batch) {
+                                    tracing::error!(rows = batch.len(), "usage log: rows lost at shutdown");
+                                }
                                 return;
                             }
                         }
@@ -159,7 +161,7 @@ impl Audit {
             Audit { tx: Some(tx) },
             AuditWriter {
                 thread: Some(thread),
-                failures,
+                stats,
             },
         ))
     }
