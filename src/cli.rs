@@ -249,26 +249,24 @@ pub async fn usage(args: &UsageArgs) -> u8 {
             report::from_sqlite(&db, table, tz_name, tz, now)
         }
     };
-    match res {
+    let text = match res {
         Ok(r) if args.json => match serde_json::to_string_pretty(&r) {
-            Ok(s) => {
-                println!("{s}");
-                EXIT_OK
-            }
+            Ok(s) => s + "\n",
             Err(e) => {
                 eprintln!("usage: {e}");
-                EXIT_FAILURE
+                return EXIT_FAILURE;
             }
         },
-        Ok(r) => {
-            print!("{}", report::render(&r));
-            EXIT_OK
-        }
+        Ok(r) => report::render(&r),
         Err(e) => {
             eprintln!("usage: cannot read the usage log: {e}");
-            EXIT_FAILURE
+            return EXIT_FAILURE;
         }
-    }
+    };
+    // A closed pipe (`| head`) is not an error worth a panic.
+    use std::io::Write;
+    let _ = std::io::stdout().lock().write_all(text.as_bytes());
+    EXIT_OK
 }
 
 #[cfg(unix)]
