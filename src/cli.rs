@@ -193,8 +193,10 @@ fn start_audit(
     use crate::audit::{Audit, AuditError};
     use crate::policy::AuditSink;
     let a = &p.audit;
-    // For the database sinks, `audit.path` is where rows go that the database still refuses
-    // at shutdown (JSON lines), so nothing queued is dropped.
+    // For the database sinks, `<audit.path>.spill` takes rows (JSON lines) while the database
+    // is away; the writer loads it back once it answers. Its own name, so an old JSONL audit
+    // file is never mistaken for spilled rows.
+    let spill = std::path::PathBuf::from(format!("{}.spill", a.path));
     let (audit, writer) = match a.sink {
         AuditSink::Off => return Ok((Audit::off(), None)),
         AuditSink::Jsonl => Audit::jsonl(a.path.clone().into(), a.queue)?,
@@ -202,14 +204,14 @@ fn start_audit(
             std::path::Path::new(&p.state.path),
             &a.table,
             a.queue,
-            a.path.clone().into(),
+            spill,
         )?,
         AuditSink::Postgres => {
             let url = a
                 .postgres_url
                 .as_deref()
                 .ok_or_else(|| AuditError::Postgres("audit.postgres_url is required".into()))?;
-            Audit::postgres(url, &a.table, a.queue, a.path.clone().into())?
+            Audit::postgres(url, &a.table, a.queue, spill)?
         }
     };
     Ok((audit, Some(writer)))

@@ -496,7 +496,12 @@ async fn rows_spilled_while_postgres_is_down_are_loaded_at_the_next_start() {
         })
         .collect();
     let sent: HashSet<String> = (0..20).map(|i| format!("spill-{i}")).collect();
-    eprintln!("spill: {} rows after {:?}", ids.len(), t0.elapsed());
+    eprintln!(
+        "spill: {} rows after {:?}, {} bytes per row",
+        ids.len(),
+        t0.elapsed(),
+        text.len() / ids.len().max(1)
+    );
     assert_one_row_each(&ids, &sent);
 
     // The next start, with Postgres reachable, loads the file and removes it.
