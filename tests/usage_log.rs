@@ -120,55 +120,43 @@ async fn sqlite_usage_log_round_trip_and_usage_command() {
 
     // One served row, column by column.
     let c = rusqlite::Connection::open(&db).expect("open");
-    let row: (
-        String,
-        Option<String>,
-        i64,
-        i64,
-        bool,
-        String,
-        String,
-        String,
-        String,
-        f64,
-        String,
-        String,
-        i64,
-    ) = c
-        .query_row(
-            "SELECT provider, model, input_tokens, output_tokens, success, consumer, job_id, \
-             provenance, policy_version, cost_usd, action, reason, http_status \
-             FROM usage_test WHERE request_id = 'u-3'",
+    let col = |name: &str| -> Value {
+        c.query_row(
+            &format!("SELECT {name} FROM usage_test WHERE request_id = 'u-3'"),
             [],
             |r| {
-                Ok((
-                    r.get(0)?,
-                    r.get(1)?,
-                    r.get(2)?,
-                    r.get(3)?,
-                    r.get(4)?,
-                    r.get(5)?,
-                    r.get(6)?,
-                    r.get(7)?,
-                    r.get(8)?,
-                    r.get(9)?,
-                    r.get(10)?,
-                    r.get(11)?,
-                    r.get(12)?,
-                ))
+                Ok(match r.get_ref(0)? {
+                    rusqlite::types::ValueRef::Null => Value::Null,
+                    rusqlite::types::ValueRef::Integer(i) => j!(i),
+                    rusqlite::types::ValueRef::Real(f) => j!(f),
+                    rusqlite::types::ValueRef::Text(t) => j!(String::from_utf8_lossy(t)),
+                    rusqlite::types::ValueRef::Blob(_) => Value::Null,
+                })
             },
         )
-        .expect("row u-3");
-    assert_eq!(row.0, "primary");
-    assert_eq!(row.1.as_deref(), Some("small-1"));
-    assert_eq!((row.2, row.3), (PROMPT, COMPLETION));
-    assert!(row.4);
-    assert_eq!(
-        (&*row.5, &*row.6, &*row.7, &*row.8),
-        ("alice", "u-3", "ACTUAL", "usage-1")
-    );
-    assert!((row.9 - 0.017).abs() < 1e-9, "cost {}", row.9);
-    assert_eq!((&*row.10, &*row.11, row.12), ("ALLOW", "OK", 200));
+        .unwrap_or_else(|e| panic!("{name} of u-3: {e}"))
+    };
+    for (name, want) in [
+        ("provider", j!("primary")),
+        ("model", j!("small-1")),
+        ("input_tokens", j!(PROMPT)),
+        ("output_tokens", j!(COMPLETION)),
+        ("success", j!(1)),
+        ("consumer", j!("alice")),
+        ("job_id", j!("u-3")),
+        ("tried", j!("primary")),
+        ("provenance", j!("ACTUAL")),
+        ("policy_version", j!("usage-1")),
+        ("action", j!("ALLOW")),
+        ("reason", j!("OK")),
+        ("http_status", j!(200)),
+        ("endpoint", j!("chat.completions")),
+        ("error_message", Value::Null),
+    ] {
+        assert_eq!(col(name), want, "column {name}");
+    }
+    let cost = col("cost_usd").as_f64().expect("cost");
+    assert!((cost - 0.017).abs() < 1e-9, "cost {cost}");
     // A refused one: not a success, no provider, an error message, no tokens.
     let (provider, success, err, tokens): (String, bool, Option<String>, i64) = c
         .query_row(

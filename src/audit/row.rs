@@ -209,7 +209,7 @@ mod tests {
         }
         Entry {
             ts: "2026-11-30T02:58:23.5Z".into(),
-            endpoint: "chat_completions",
+            endpoint: "chat.completions",
             latency_ms: 12.6,
             record: r,
         }
@@ -238,7 +238,7 @@ mod tests {
         assert_eq!(row.provenance, "ACTUAL");
         assert_eq!(row.cost_usd, 0.046);
         assert_eq!((&*row.action, &*row.reason), ("ALLOW", "OK"));
-        assert_eq!((row.http_status, &*row.endpoint), (200, "chat_completions"));
+        assert_eq!((row.http_status, &*row.endpoint), (200, "chat.completions"));
         assert_eq!(row.id.len(), 36);
         assert_eq!(&row.id[14..15], "4");
         assert_ne!(row.id, usage_row(&entry()).id);
