@@ -1,5 +1,5 @@
-//! The command line: `serve`, `check`, `test`. Each command returns an exit code:
-//! 0 ok, 1 a scenario mismatch, 2 invalid input.
+//! The command line: `serve`, `check`, `test`, `usage`. Each command returns an exit code:
+//! 0 ok, 1 a scenario mismatch or an unreadable usage log, 2 invalid input.
 
 use crate::policy;
 use crate::scenario::{self, ScenarioResult};
@@ -8,6 +8,8 @@ use std::path::PathBuf;
 
 pub const EXIT_OK: u8 = 0;
 pub const EXIT_MISMATCH: u8 = 1;
+/// A command that could not do its work (an unreadable usage log).
+pub const EXIT_FAILURE: u8 = 1;
 pub const EXIT_INVALID: u8 = 2;
 
 #[derive(Debug, Parser)]
@@ -39,6 +41,29 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Today's tokens and month-to-date cost per provider and consumer, from the usage log.
+    Usage(UsageArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct UsageArgs {
+    /// Policy file or directory: gives the timezone, and the log's location unless
+    /// --db/--postgres is given.
+    #[arg(long, env = "TOLLGATE_POLICY", default_value = "policies/default.yaml")]
+    pub policy: PathBuf,
+    /// Read this SQLite file (default: the policy's state.path).
+    #[arg(long, conflicts_with = "postgres")]
+    pub db: Option<PathBuf>,
+    /// Read Postgres at this URL (default: the policy's audit.postgres_url when audit.sink is
+    /// postgres).
+    #[arg(long)]
+    pub postgres: Option<String>,
+    /// The usage-log table (default: the policy's audit.table).
+    #[arg(long)]
+    pub table: Option<String>,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    pub json: bool,
 }
 
 pub fn check(path: &std::path::Path) -> u8 {
@@ -167,18 +192,86 @@ fn init_tracing() {
 
 fn start_audit(
     p: &crate::policy::Policy,
-) -> std::io::Result<(crate::audit::Audit, Option<crate::audit::AuditWriter>)> {
+) -> Result<(crate::audit::Audit, Option<crate::audit::AuditWriter>), crate::audit::AuditError> {
+    use crate::audit::{Audit, AuditError};
     use crate::policy::AuditSink;
-    match p.audit.sink {
-        AuditSink::Off => Ok((crate::audit::Audit::off(), None)),
-        AuditSink::Jsonl => {
-            let (a, w) = crate::audit::Audit::jsonl(p.audit.path.clone().into(), p.audit.queue)?;
-            Ok((a, Some(w)))
+    let a = &p.audit;
+    // For the database sinks, `<audit.path>.spill` takes rows (JSON lines) while the database
+    // is away; the writer loads it back once it answers. Its own name, so an old JSONL audit
+    // file is never mistaken for spilled rows.
+    let spill = std::path::PathBuf::from(format!("{}.spill", a.path));
+    let (audit, writer) = match a.sink {
+        AuditSink::Off => return Ok((Audit::off(), None)),
+        AuditSink::Jsonl => Audit::jsonl(a.path.clone().into(), a.queue)?,
+        AuditSink::Sqlite => Audit::sqlite(
+            std::path::Path::new(&p.state.path),
+            &a.table,
+            a.queue,
+            spill,
+        )?,
+        AuditSink::Postgres => {
+            let url = a
+                .postgres_url
+                .as_deref()
+                .ok_or_else(|| AuditError::Postgres("audit.postgres_url is required".into()))?;
+            Audit::postgres(url, &a.table, a.queue, spill)?
         }
-        AuditSink::Sqlite | AuditSink::Postgres => Err(std::io::Error::other(
-            "audit.sink sqlite/postgres is not available in this build; use jsonl or off",
-        )),
+    };
+    Ok((audit, Some(writer)))
+}
+
+/// `usage`: print today's tokens and month-to-date cost per provider and consumer.
+/// Exit 0 printed, 1 the log cannot be read, 2 bad policy or arguments.
+pub async fn usage(args: &UsageArgs) -> u8 {
+    use crate::audit::report;
+    let p = match policy::load(&args.policy) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("{e}");
+            return EXIT_INVALID;
+        }
+    };
+    let table = args.table.as_deref().unwrap_or(&p.audit.table);
+    if !crate::audit::valid_table(table) {
+        eprintln!("--table: `{table}` is not a plain SQL name");
+        return EXIT_INVALID;
     }
+    let tz = &p.windows.timezone;
+    let tz_name = &p.windows.timezone_name;
+    let now = jiff::Timestamp::now();
+    let pg = args.postgres.clone().or_else(|| {
+        (args.db.is_none() && p.audit.sink == crate::policy::AuditSink::Postgres)
+            .then(|| p.audit.postgres_url.clone())
+            .flatten()
+    });
+    let res = match pg {
+        Some(url) => report::from_postgres(&url, table, tz_name, tz, now).await,
+        None => {
+            let db = args
+                .db
+                .clone()
+                .unwrap_or_else(|| PathBuf::from(&p.state.path));
+            report::from_sqlite(&db, table, tz_name, tz, now)
+        }
+    };
+    let text = match res {
+        Ok(r) if args.json => match serde_json::to_string_pretty(&r) {
+            Ok(s) => s + "\n",
+            Err(e) => {
+                eprintln!("usage: {e}");
+                return EXIT_FAILURE;
+            }
+        },
+        Ok(r) => report::render(&r),
+        Err(e) => {
+            eprintln!("usage: cannot read the usage log: {e}");
+            return EXIT_FAILURE;
+        }
+    };
+    // A closed pipe (`| head`) is not an error worth a panic.
+    use std::io::Write;
+    let _ = std::io::stdout().lock().write_all(text.as_bytes());
+    EXIT_OK
 }
 
 #[cfg(unix)]

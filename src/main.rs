@@ -25,6 +25,7 @@ fn main() -> ExitCode {
         Command::Serve { policy } => rt.block_on(cli::serve(&policy)),
         Command::Check { policy } => cli::check(&policy),
         Command::Test { files, json } => rt.block_on(cli::test(&files, json)),
+        Command::Usage(args) => rt.block_on(cli::usage(&args)),
     };
     ExitCode::from(code)
 }

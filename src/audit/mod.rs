@@ -1,15 +1,40 @@
-//! The audit trail: one JSON line per governed request, written by a background thread
+//! The audit trail: one record per governed request, written by a background thread
 //! through a bounded queue. When the queue is full the request waits — records are never
 //! dropped. Records hold ids, counts and reasons; never a key, a prompt or a response.
+//!
+//! Sinks: JSONL (the full decision record), or the usage log (`row`) in SQLite (`sqlite`)
+//! or Postgres (`postgres`); `report` reads the usage log back for `tollgate usage`.
+
+pub mod postgres;
+pub mod report;
+pub mod row;
+pub mod sqlite;
+
+pub use row::{usage_row, valid_table, UsageRow};
 
 use crate::governor::Record;
 use serde::Serialize;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use tokio::sync::mpsc;
 
 /// How long the writer lets records gather after writing a batch (bounds the audit lag).
 const BATCH_PAUSE: std::time::Duration = std::time::Duration::from_millis(5);
+/// Most usage rows written in one transaction / statement.
+const MAX_BATCH: usize = 1000;
+
+/// Why a sink could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum AuditError {
+    #[error("cannot open the audit file: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("audit.table `{0}` is not a plain SQL name")]
+    Table(String),
+    #[error("sqlite usage log: {0}")]
+    Sqlite(String),
+    #[error("postgres usage log: {0}")]
+    Postgres(String),
+}
 
 /// One audit line: the decision record plus when and where.
 #[derive(Debug, Serialize)]
@@ -32,6 +57,16 @@ pub struct Audit {
 #[derive(Debug)]
 pub struct AuditWriter {
     thread: Option<std::thread::JoinHandle<()>>,
+    stats: std::sync::Arc<Stats>,
+}
+
+/// What a database sink went through: how an outage shows.
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Failed batch writes (each one is retried).
+    pub failures: std::sync::atomic::AtomicU64,
+    /// Rows written to the spill file while the database was away.
+    pub spilled: std::sync::atomic::AtomicU64,
 }
 
 impl Audit {
@@ -70,6 +105,7 @@ impl Audit {
             Audit { tx: Some(tx) },
             AuditWriter {
                 thread: Some(thread),
+                stats: Default::default(),
             },
         ))
     }
@@ -84,6 +120,38 @@ impl Audit {
     }
 }
 
+/// Appends usage rows that could not reach their database to `path` as JSON lines, synced;
+/// `false` when that failed too (the caller keeps the rows).
+fn spill(path: &Path, rows: &[UsageRow]) -> bool {
+    let res = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .and_then(|f| {
+            let mut out = std::io::BufWriter::new(f);
+            for r in rows {
+                serde_json::to_writer(&mut out, r)?;
+                out.write_all(b"\n")?;
+            }
+            out.flush()?;
+            out.into_inner().map_err(|e| e.into_error())?.sync_all()
+        });
+    match res {
+        Ok(()) => {
+            tracing::warn!(
+                rows = rows.len(),
+                path = %path.display(),
+                "usage log: database unreachable; rows spilled to the JSON lines file"
+            );
+            true
+        }
+        Err(err) => {
+            tracing::error!(%err, rows = rows.len(), "usage log: cannot spill rows");
+            false
+        }
+    }
+}
+
 fn write_one(out: &mut impl Write, e: &Entry) {
     let res = serde_json::to_writer(&mut *out, e)
         .and_then(|_| out.write_all(b"\n").map_err(serde_json::Error::io));
@@ -93,6 +161,20 @@ fn write_one(out: &mut impl Write, e: &Entry) {
 }
 
 impl AuditWriter {
+    /// Failed (and retried) batch writes since start; 0 for JSONL.
+    pub fn failures(&self) -> u64 {
+        self.stats
+            .failures
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Rows spilled to the local file while the database was away, since start.
+    pub fn spilled(&self) -> u64 {
+        self.stats
+            .spilled
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Waits until every queued record is written (all `Audit` senders must be dropped).
     pub fn finish(mut self) {
         if let Some(t) = self.thread.take() {

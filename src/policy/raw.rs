@@ -58,6 +58,8 @@ pub const DEFAULT_AUDIT_QUEUE: usize = 8192;
 pub const DEFAULT_ALERT_TIMEOUT: Duration = Duration::from_secs(5);
 pub const DEFAULT_ALERT_QUEUE: usize = 256;
 pub const DEFAULT_ALERT_ATTEMPTS: u32 = 5;
+/// The usage-log table of the sqlite and postgres sinks (the ADR's name).
+pub const DEFAULT_AUDIT_TABLE: &str = "ai_usage_logs";
 /// `match` when absent: a separate counter per id.
 pub const MATCH_ANY: &str = "*";
 
@@ -276,6 +278,7 @@ pub struct RawAudit {
     pub path: Option<String>,
     pub postgres_url: Option<String>,
     pub queue: Option<usize>,
+    pub table: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

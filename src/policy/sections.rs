@@ -348,11 +348,21 @@ impl V<'_> {
             get!(m.audit, queue),
             DEFAULT_AUDIT_QUEUE,
         );
+        let table = match get!(m.audit, table) {
+            Some(t) if crate::audit::valid_table(t) => t.clone(),
+            Some(t) => self.err(
+                f,
+                "audit.table",
+                format!("`{t}` is not a plain SQL name (a letter or _, then letters, digits or _; at most 63)"),
+            ),
+            None => DEFAULT_AUDIT_TABLE.to_owned(),
+        };
         AuditCfg {
             sink,
             path,
             postgres_url,
             queue,
+            table,
         }
     }
 }

@@ -233,6 +233,7 @@ fn validation_errors() {
         (format!("{m}state: {{backend: etcd}}\n"), "state.backend", 9, "expected one of memory, sqlite, redis"),
         (format!("{m}audit:\n  sink: postgres\n"), "audit.postgres_url", 9, "required when audit.sink is postgres"),
         (format!("{m}audit:\n  sink: kafka\n"), "audit.sink", 10, "expected one of jsonl, sqlite, postgres, off"),
+        (format!("{m}audit:\n  sink: sqlite\n  table: \"x; drop\"\n"), "audit.table", 11, "not a plain SQL name"),
         (format!("{m}retry: {{max_attempts_per_job: 0}}\n"), "retry.max_attempts_per_job", 9, "greater than zero"),
         (format!("{m}fallback: {{max_amplification: 0.5}}\n"), "fallback.max_amplification", 9, "at least 1.0"),
         (format!("{m}degrade: {{clamp_max_tokens: {{}}}}\n"), "degrade.clamp_max_tokens.min_output_tokens", 9, "is required"),

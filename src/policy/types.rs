@@ -330,6 +330,9 @@ pub struct AuditCfg {
     pub postgres_url: Option<String>,
     /// Bounded queue between request path and writer.
     pub queue: usize,
+    /// Usage-log table of the sqlite/postgres sinks: a plain SQL identifier (validated),
+    /// since it is spliced into DDL. Tests give each run its own.
+    pub table: String,
 }
 
 /// `alerts`: threshold crossings (`alert_at`) always go to the log (target `tollgate::alert`);

@@ -22,12 +22,19 @@ pub struct Sidecar {
 
 impl Sidecar {
     pub async fn start(yaml: &str) -> Sidecar {
-        let policy = tollgate::policy::from_str(yaml, "test.yaml")
-            .unwrap_or_else(|e| panic!("policy: {e}\n{yaml}"));
-        let snap = Snapshot::build(policy).expect("snapshot");
         let dir = tempfile::tempdir().expect("tempdir");
         let audit_path = dir.path().join("audit.jsonl");
         let (audit, _writer) = Audit::jsonl(audit_path.clone(), 4096).expect("audit");
+        Sidecar::start_with_audit(yaml, audit, dir).await
+    }
+
+    /// A sidecar writing to the given audit (any sink); `dir` is kept alive with it and
+    /// `audit_path` points at `dir/audit.jsonl` (empty unless the audit writes there).
+    pub async fn start_with_audit(yaml: &str, audit: Audit, dir: tempfile::TempDir) -> Sidecar {
+        let policy = tollgate::policy::from_str(yaml, "test.yaml")
+            .unwrap_or_else(|e| panic!("policy: {e}\n{yaml}"));
+        let snap = Snapshot::build(policy).expect("snapshot");
+        let audit_path = dir.path().join("audit.jsonl");
         let running = proxy::start(
             snap,
             audit,

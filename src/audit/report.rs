@@ -1,0 +1,247 @@
+//! `tollgate usage`: today's tokens and month-to-date cost per provider and per consumer,
+//! read back from the SQLite or Postgres usage log. "Today" and "this month" are calendar
+//! periods of `windows.timezone`, the same boundaries the quotas turn over at.
+
+use super::row::format_utc;
+use jiff::{civil::Date, tz::TimeZone, Timestamp};
+use serde::Serialize;
+use std::path::Path;
+
+/// Totals for one provider or consumer.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Totals {
+    pub name: String,
+    pub requests_today: i64,
+    pub input_tokens_today: i64,
+    pub output_tokens_today: i64,
+    pub cost_usd_month: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Report {
+    pub timezone: String,
+    pub day: String,
+    pub month_start: String,
+    pub providers: Vec<Totals>,
+    pub consumers: Vec<Totals>,
+}
+
+/// The start of `now`'s day and month in `tz`, as instants, and the local date.
+pub fn periods(now: Timestamp, tz: &TimeZone) -> Result<(Timestamp, Timestamp, Date), String> {
+    let local = now.to_zoned(tz.clone());
+    let day = local.date();
+    let start = |d: Date| {
+        d.to_zoned(tz.clone())
+            .map(|z| z.timestamp())
+            .map_err(|e| e.to_string())
+    };
+    Ok((start(day)?, start(day.first_of_month())?, day))
+}
+
+fn report(tz_name: &str, day: Date, providers: Vec<Totals>, consumers: Vec<Totals>) -> Report {
+    Report {
+        timezone: tz_name.to_owned(),
+        day: day.to_string(),
+        month_start: day.first_of_month().to_string(),
+        providers,
+        consumers,
+    }
+}
+
+/// Reads the SQLite usage log at `path` (read-only; a missing file is an error, not created).
+pub fn from_sqlite(
+    path: &Path,
+    table: &str,
+    tz_name: &str,
+    tz: &TimeZone,
+    now: Timestamp,
+) -> Result<Report, String> {
+    use rusqlite::{Connection, OpenFlags};
+    if !super::valid_table(table) {
+        return Err(format!("`{table}` is not a plain SQL name"));
+    }
+    let (day0, month0, day) = periods(now, tz)?;
+    let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let _ = conn.busy_timeout(std::time::Duration::from_secs(5));
+    let (d, m) = (format_utc(day0), format_utc(month0));
+    let by = |col: &str| -> Result<Vec<Totals>, String> {
+        let sql = format!(
+            "SELECT {col},
+                    SUM(CASE WHEN created_at >= ?1 THEN 1 ELSE 0 END),
+                    SUM(CASE WHEN created_at >= ?1 THEN input_tokens ELSE 0 END),
+                    SUM(CASE WHEN created_at >= ?1 THEN output_tokens ELSE 0 END),
+                    SUM(cost_usd)
+             FROM {table} WHERE created_at >= ?2 GROUP BY {col} ORDER BY {col}"
+        );
+        let mut st = conn
+            .prepare(&sql)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        let rows = st
+            .query_map([&d, &m], |r| {
+                Ok(Totals {
+                    name: r.get(0)?,
+                    requests_today: r.get(1)?,
+                    input_tokens_today: r.get(2)?,
+                    output_tokens_today: r.get(3)?,
+                    cost_usd_month: r.get(4)?,
+                })
+            })
+            .map_err(|e| e.to_string())?;
+        rows.collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())
+    };
+    Ok(report(tz_name, day, by("provider")?, by("consumer")?))
+}
+
+/// Reads the Postgres usage log at `url`.
+pub async fn from_postgres(
+    url: &str,
+    table: &str,
+    tz_name: &str,
+    tz: &TimeZone,
+    now: Timestamp,
+) -> Result<Report, String> {
+    if !super::valid_table(table) {
+        return Err(format!("`{table}` is not a plain SQL name"));
+    }
+    let (day0, month0, day) = periods(now, tz)?;
+    let mut cfg: tokio_postgres::Config = url
+        .parse()
+        .map_err(|e: tokio_postgres::Error| e.to_string())?;
+    cfg.connect_timeout(std::time::Duration::from_secs(10));
+    let (client, connection) = cfg
+        .connect(tokio_postgres::NoTls)
+        .await
+        .map_err(|e| e.to_string())?;
+    let conn_task = tokio::spawn(connection);
+    let (d, m) = (format_utc(day0), format_utc(month0));
+    let mut out = Vec::new();
+    for col in ["provider", "consumer"] {
+        let sql = format!(
+            "SELECT {col},
+                    COUNT(*) FILTER (WHERE created_at >= $1::text::timestamptz),
+                    COALESCE(SUM(input_tokens) FILTER (WHERE created_at >= $1::text::timestamptz), 0)::bigint,
+                    COALESCE(SUM(output_tokens) FILTER (WHERE created_at >= $1::text::timestamptz), 0)::bigint,
+                    SUM(cost_usd)
+             FROM {table} WHERE created_at >= $2::text::timestamptz GROUP BY {col} ORDER BY {col}"
+        );
+        let rows = client
+            .query(&sql, &[&d, &m])
+            .await
+            .map_err(|e| e.to_string())?;
+        out.push(
+            rows.iter()
+                .map(|r| Totals {
+                    name: r.get(0),
+                    requests_today: r.get(1),
+                    input_tokens_today: r.get(2),
+                    output_tokens_today: r.get(3),
+                    cost_usd_month: r.get(4),
+                })
+                .collect::<Vec<_>>(),
+        );
+    }
+    drop(client);
+    let _ = conn_task.await;
+    let consumers = out.pop().unwrap_or_default();
+    let providers = out.pop().unwrap_or_default();
+    Ok(report(tz_name, day, providers, consumers))
+}
+
+/// The report as aligned text tables.
+pub fn render(r: &Report) -> String {
+    let mut s = format!(
+        "today {} and month to date from {} ({})\n",
+        r.day, r.month_start, r.timezone
+    );
+    for (title, rows) in [("provider", &r.providers), ("consumer", &r.consumers)] {
+        s.push('\n');
+        let head = [
+            title,
+            "requests today",
+            "input tokens today",
+            "output tokens today",
+            "cost USD month",
+        ];
+        let body: Vec<[String; 5]> = rows
+            .iter()
+            .map(|t| {
+                [
+                    t.name.clone(),
+                    t.requests_today.to_string(),
+                    t.input_tokens_today.to_string(),
+                    t.output_tokens_today.to_string(),
+                    format!("{:.6}", t.cost_usd_month),
+                ]
+            })
+            .collect();
+        let mut w = head.map(str::len);
+        for row in &body {
+            for (i, c) in row.iter().enumerate() {
+                w[i] = w[i].max(c.len());
+            }
+        }
+        let line = |cells: [&str; 5]| {
+            let mut l = format!("{:<w0$}", cells[0], w0 = w[0]);
+            for i in 1..5 {
+                l.push_str(&format!("  {:>w$}", cells[i], w = w[i]));
+            }
+            l.push('\n');
+            l
+        };
+        s.push_str(&line(head));
+        if body.is_empty() {
+            s.push_str("(no rows)\n");
+        }
+        for row in &body {
+            s.push_str(&line([&row[0], &row[1], &row[2], &row[3], &row[4]]));
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn periods_follow_the_local_calendar() {
+        let tz = TimeZone::get("Asia/Taipei").expect("tz");
+        // 2026-12-01 01:30 in Taipei is still 2026-11-30 in UTC.
+        let now: Timestamp = "2026-11-30T17:30:00Z".parse().expect("ts");
+        let (d, m, day) = periods(now, &tz).expect("periods");
+        assert_eq!(day.to_string(), "2026-12-01");
+        assert_eq!(format_utc(d), "2026-11-30T16:00:00.000000Z");
+        assert_eq!(format_utc(m), "2026-11-30T16:00:00.000000Z");
+        let now: Timestamp = "2026-11-15T03:00:00Z".parse().expect("ts");
+        let (d, m, _) = periods(now, &tz).expect("periods");
+        assert_eq!(format_utc(d), "2026-11-14T16:00:00.000000Z");
+        assert_eq!(format_utc(m), "2026-10-31T16:00:00.000000Z");
+    }
+
+    #[test]
+    fn render_aligns_columns() {
+        let t = |n: &str, r, i, o, c| Totals {
+            name: n.into(),
+            requests_today: r,
+            input_tokens_today: i,
+            output_tokens_today: o,
+            cost_usd_month: c,
+        };
+        let r = Report {
+            timezone: "UTC".into(),
+            day: "2026-11-30".into(),
+            month_start: "2026-11-01".into(),
+            providers: vec![t("gemini", 3, 120, 45, 0.5), t("static", 10, 0, 0, 0.0)],
+            consumers: vec![],
+        };
+        let text = render(&r);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[2].len(), lines[3].len(), "{text}");
+        assert_eq!(lines[3].len(), lines[4].len(), "{text}");
+        assert!(lines[3].starts_with("gemini "), "{text}");
+        assert!(lines[3].ends_with("0.500000"), "{text}");
+        assert!(text.contains("(no rows)"), "{text}");
+    }
+}

@@ -1,0 +1,240 @@
+//! The SQLite usage log through a real sidecar (issue 6 items 2-3): every request leaves one
+//! row with the right columns, and `tollgate usage` sums them per provider and consumer.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::mock::{Answer, MockUpstream};
+use common::post_json;
+use common::sidecar::Sidecar;
+use serde_json::{json as j, Value};
+use tollgate::audit::Audit;
+
+const ALICE: usize = 12;
+const BOB: usize = 8;
+const UNKNOWN_MODEL: usize = 3;
+/// What the mock reports for every call.
+const PROMPT: i64 = 7;
+const COMPLETION: i64 = 5;
+
+fn policy(upstream: &str, db: &Path) -> String {
+    format!(
+        r#"
+version: usage-1
+windows: {{timezone: Asia/Taipei}}
+backends:
+  - {{id: primary, kind: openai, base_url: {upstream}, price_per_1k: {{input: 1.0, output: 2.0}}}}
+routes:
+  - model: chat
+    chain: [{{backend: primary, model: small-1}}]
+state: {{backend: memory, path: {db}}}
+audit: {{sink: sqlite, table: usage_test}}
+"#,
+        db = db.display()
+    )
+}
+
+fn count_rows(db: &Path) -> i64 {
+    let Ok(c) =
+        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+    else {
+        return 0;
+    };
+    c.query_row("SELECT COUNT(*) FROM usage_test", [], |r| r.get(0))
+        .unwrap_or(0)
+}
+
+fn tollgate(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(args)
+        .env_remove("TOLLGATE_POLICY")
+        .output()
+        .expect("run tollgate");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn totals<'a>(v: &'a Value, list: &str, name: &str) -> &'a Value {
+    v[list]
+        .as_array()
+        .and_then(|a| a.iter().find(|t| t["name"] == name))
+        .unwrap_or_else(|| panic!("no {list} entry {name}: {v:#}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_usage_log_round_trip_and_usage_command() {
+    let up = MockUpstream::start_with_default(
+        vec![],
+        Answer::ok_chat("ok", PROMPT as u64, COMPLETION as u64),
+    )
+    .await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("tollgate.db");
+    let yaml = policy(&up.base_url(), &db);
+    let policy_file = dir.path().join("policy.yaml");
+    std::fs::write(&policy_file, &yaml).expect("write policy");
+    let spill = dir.path().join("audit.jsonl");
+    let (audit, writer) = Audit::sqlite(&db, "usage_test", 64, spill.clone()).expect("sqlite");
+    let sc = Sidecar::start_with_audit(&yaml, audit, dir).await;
+
+    let body =
+        j!({"model": "chat", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 50});
+    for i in 0..ALICE + BOB {
+        let who = if i < ALICE { "alice" } else { "bob" };
+        let rid = format!("u-{i}");
+        let (status, _, _) = post_json(
+            &sc.chat_url(),
+            &body,
+            &[("x-tollgate-consumer", who), ("x-request-id", &rid)],
+        )
+        .await;
+        assert_eq!(status, 200);
+    }
+    let bad = j!({"model": "no-such-route", "messages": [{"role": "user", "content": "x"}]});
+    for _ in 0..UNKNOWN_MODEL {
+        let (status, _, _) =
+            post_json(&sc.chat_url(), &bad, &[("x-tollgate-consumer", "bob")]).await;
+        assert!(
+            status >= 400,
+            "unknown route answers an error, got {status}"
+        );
+    }
+
+    let want = (ALICE + BOB + UNKNOWN_MODEL) as i64;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while count_rows(&db) < want {
+        assert!(
+            Instant::now() < deadline,
+            "rows: {} of {want}",
+            count_rows(&db)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(count_rows(&db), want, "one row per request");
+
+    // One served row, column by column.
+    let c = rusqlite::Connection::open(&db).expect("open");
+    let col = |name: &str| -> Value {
+        c.query_row(
+            &format!("SELECT {name} FROM usage_test WHERE request_id = 'u-3'"),
+            [],
+            |r| {
+                Ok(match r.get_ref(0)? {
+                    rusqlite::types::ValueRef::Null => Value::Null,
+                    rusqlite::types::ValueRef::Integer(i) => j!(i),
+                    rusqlite::types::ValueRef::Real(f) => j!(f),
+                    rusqlite::types::ValueRef::Text(t) => j!(String::from_utf8_lossy(t)),
+                    rusqlite::types::ValueRef::Blob(_) => Value::Null,
+                })
+            },
+        )
+        .unwrap_or_else(|e| panic!("{name} of u-3: {e}"))
+    };
+    for (name, want) in [
+        ("provider", j!("primary")),
+        ("model", j!("small-1")),
+        ("input_tokens", j!(PROMPT)),
+        ("output_tokens", j!(COMPLETION)),
+        ("success", j!(1)),
+        ("consumer", j!("alice")),
+        ("job_id", j!("u-3")),
+        ("tried", j!("primary")),
+        ("provenance", j!("ACTUAL")),
+        ("policy_version", j!("usage-1")),
+        ("action", j!("ALLOW")),
+        ("reason", j!("OK")),
+        ("http_status", j!(200)),
+        ("endpoint", j!("chat.completions")),
+        ("error_message", Value::Null),
+    ] {
+        assert_eq!(col(name), want, "column {name}");
+    }
+    let cost = col("cost_usd").as_f64().expect("cost");
+    assert!((cost - 0.017).abs() < 1e-9, "cost {cost}");
+    // A refused one: not a success, no provider, an error message, no tokens.
+    let (provider, success, err, tokens): (String, bool, Option<String>, i64) = c
+        .query_row(
+            "SELECT provider, success, error_message, input_tokens + output_tokens \
+             FROM usage_test WHERE http_status >= 400 LIMIT 1",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+        )
+        .expect("refused row");
+    assert_eq!((&*provider, success, tokens), ("none", false, 0));
+    assert!(err.is_some_and(|e| !e.is_empty()));
+    let prompts: i64 = c
+        .query_row(
+            "SELECT COUNT(*) FROM usage_test WHERE error_message LIKE '%hello%'",
+            [],
+            |r| r.get(0),
+        )
+        .expect("query");
+    assert_eq!(prompts, 0, "no prompt text in the log");
+
+    // `tollgate usage --json`, the log located through the policy's state.path.
+    let pf = policy_file.to_str().expect("utf8 path");
+    let (code, out, errs) = tollgate(&["usage", "--policy", pf, "--json"]);
+    assert_eq!(code, 0, "stderr: {errs}");
+    let v: Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["timezone"], "Asia/Taipei");
+    let p = totals(&v, "providers", "primary");
+    let served = (ALICE + BOB) as i64;
+    assert_eq!(p["requests_today"], served);
+    assert_eq!(p["input_tokens_today"], served * PROMPT);
+    assert_eq!(p["output_tokens_today"], served * COMPLETION);
+    assert!((p["cost_usd_month"].as_f64().unwrap() - 0.017 * served as f64).abs() < 1e-9);
+    let none = totals(&v, "providers", "none");
+    assert_eq!(none["requests_today"], UNKNOWN_MODEL as i64);
+    assert_eq!(none["input_tokens_today"], 0);
+    let a = totals(&v, "consumers", "alice");
+    assert_eq!(a["requests_today"], ALICE as i64);
+    assert_eq!(a["input_tokens_today"], ALICE as i64 * PROMPT);
+    assert!((a["cost_usd_month"].as_f64().unwrap() - 0.017 * ALICE as f64).abs() < 1e-9);
+    let b = totals(&v, "consumers", "bob");
+    assert_eq!(b["requests_today"], (BOB + UNKNOWN_MODEL) as i64);
+    assert_eq!(b["output_tokens_today"], BOB as i64 * COMPLETION);
+
+    // The table form, and --db naming the file directly.
+    let dbs = db.to_str().expect("utf8 path");
+    let (code, out, errs) = tollgate(&["usage", "--policy", pf, "--db", dbs]);
+    assert_eq!(code, 0, "stderr: {errs}");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("primary "))
+        .unwrap_or_else(|| panic!("no provider line:\n{out}"));
+    let cells: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(cells, ["primary", "20", "140", "100", "0.340000"], "{out}");
+
+    // Failures: a missing file is 1 (and is not created); conflicting flags are 2.
+    let missing = dbs.replace("tollgate.db", "missing.db");
+    let (code, _, errs) = tollgate(&["usage", "--policy", pf, "--db", &missing]);
+    assert_eq!(code, 1, "{errs}");
+    assert!(!Path::new(&missing).exists());
+    let (code, _, _) = tollgate(&[
+        "usage",
+        "--policy",
+        pf,
+        "--db",
+        dbs,
+        "--postgres",
+        "postgres://x/y",
+    ]);
+    assert_eq!(code, 2);
+    let (code, _, _) = tollgate(&["usage", "--policy", pf, "--table", "x;drop"]);
+    assert_eq!(code, 2);
+
+    sc.stop().await;
+    tokio::task::spawn_blocking(move || writer.finish())
+        .await
+        .expect("writer joins");
+    assert!(
+        !spill.exists(),
+        "nothing spilled when the database is healthy"
+    );
+}
