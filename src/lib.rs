@@ -12,5 +12,6 @@ pub mod ledger;
 pub mod policy;
 pub mod proxy;
 pub mod scenario;
+pub mod state;
 pub mod stream;
 pub mod units;

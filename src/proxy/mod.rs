@@ -4,6 +4,7 @@
 pub mod admin;
 pub mod handler;
 pub mod identity;
+pub mod persist;
 pub mod respond;
 pub mod retry_after;
 pub mod server;
@@ -12,5 +13,5 @@ pub mod stream;
 pub mod transport;
 
 pub use handler::App;
-pub use server::{reload, start, Options, Running};
+pub use server::{reload, start, start_with, Options, Running};
 pub use snapshot::Snapshot;

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod mock;
+pub mod process;
 pub mod sidecar;
 
 use std::time::{Duration, Instant};
