@@ -112,10 +112,7 @@ impl RedisStore {
     ) -> Result<RedisStore, super::StateError> {
         // The URL may hold a password: never echo it.
         let client = redis::Client::open(url).map_err(|e| {
-            super::StateError(format!(
-                "state.redis_url is not usable: {}",
-                format!("{:?}", e.kind())
-            ))
+            super::StateError(format!("state.redis_url is not usable: {:?}", e.kind()))
         })?;
         Ok(RedisStore {
             inner: Arc::new(Inner {

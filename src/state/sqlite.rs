@@ -384,10 +384,10 @@ impl SqliteStore {
             .spawn(move || {
                 let mut failing = false;
                 loop {
-                    let last = match rx.recv_timeout(interval) {
-                        Err(mpsc::RecvTimeoutError::Timeout) => false,
-                        _ => true,
-                    };
+                    let last = !matches!(
+                        rx.recv_timeout(interval),
+                        Err(mpsc::RecvTimeoutError::Timeout)
+                    );
                     let t0 = Instant::now();
                     match self.flush(&ledger, circuits()) {
                         Ok(s) => {
