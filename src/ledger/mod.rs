@@ -212,6 +212,14 @@ impl Ledger {
         });
     }
 
+    /// Visits every counter in place (persistence scans). Not for the request path: it
+    /// read-locks each shard of the map in turn.
+    pub fn for_each_counter(&self, mut f: impl FnMut(&CounterKey, &Counter)) {
+        for e in self.counters.iter() {
+            f(e.key(), e.value());
+        }
+    }
+
     /// Every job ledger: (id, attempts, fallbacks, last seen). Not for the request path.
     pub fn jobs_snapshot(&self) -> Vec<(Arc<str>, u32, u32, Millis)> {
         self.jobs

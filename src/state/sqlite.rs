@@ -112,6 +112,12 @@ impl SqliteStore {
             [now.saturating_sub(job_idle_ttl_ms)],
         )
         .map_err(err)?;
+        // A job counter goes with its job ledger (the sweep only finds it through the job).
+        tx.execute(
+            "DELETE FROM state_counters WHERE scope = 'job' AND id NOT IN (SELECT id FROM state_jobs)",
+            [],
+        )
+        .map_err(err)?;
         tx.commit().map_err(err)?;
 
         let mut st = self
@@ -212,24 +218,23 @@ impl SqliteStore {
         ledger: &Ledger,
         circuits: Vec<CircuitRow>,
     ) -> Result<FlushStats, StateError> {
+        // Scanned in place: only changed keys are cloned.
         let mut up_c = Vec::new();
-        let mut seen_c = std::collections::HashSet::new();
-        for (key, committed, _reserved) in ledger.snapshot() {
-            let changed = match self.written.counters.get(&key) {
+        ledger.for_each_counter(|key, c| {
+            let committed = c.committed();
+            let changed = match self.written.counters.get(key) {
                 Some(a) => *a != committed,
                 None => committed != Amount::ZERO,
             };
             if changed {
-                let expires = ledger.get(&key).map_or(i64::MAX, |c| c.expires_at());
-                up_c.push((key.clone(), committed, expires));
+                up_c.push((key.clone(), committed, c.expires_at()));
             }
-            seen_c.insert(key);
-        }
+        });
         let del_c: Vec<CounterKey> = self
             .written
             .counters
             .keys()
-            .filter(|k| !seen_c.contains(*k))
+            .filter(|k| ledger.get(k).is_none())
             .cloned()
             .collect();
 
@@ -567,6 +572,11 @@ mod tests {
         let ledger = Ledger::new();
         ledger.set_job(Arc::from("old"), 1, 0, 1_000);
         ledger.set_job(Arc::from("new"), 1, 0, 9_000);
+        for id in ["old", "new"] {
+            ledger
+                .counter(&key(Scope::Job, id, None), i64::MAX)
+                .add_committed(&amt(5, 1, 0));
+        }
         let mut store = SqliteStore::open(&path).unwrap();
         store.flush(&ledger, Vec::new()).unwrap();
         drop(store);
@@ -581,6 +591,11 @@ mod tests {
             .map(|j| j.0.to_string())
             .collect();
         assert_eq!(ids, vec!["new".to_string()]);
+        assert!(
+            fresh.get(&key(Scope::Job, "old", None)).is_none(),
+            "goes with its job"
+        );
+        assert!(fresh.get(&key(Scope::Job, "new", None)).is_some());
         let c = Connection::open(&path).unwrap();
         let mode: String = c
             .query_row("PRAGMA journal_mode", [], |r| r.get(0))
