@@ -4,7 +4,7 @@
 -- KEYS: per counter i (0-based), 3 keys: KEYS[3i+1] the counter hash (ct cr cu = committed
 --   tokens/requests/usd-micros, ht hr hu = held by live reservations), KEYS[3i+2] its holds
 --   ZSET (member "rid:t:r:u", score = lease end in ms of Redis' clock), KEYS[3i+3] its
---   settled-ids ZSET (used by settle.lua; only given an expiry here).
+--   settled-ids ZSET (written and given its expiry by settle.lua).
 -- ARGV[1] member "rid:t:r:u"; ARGV[2..4] amount t r u; ARGV[5] lease ms; ARGV[6] n counters;
 --   then per counter 4 values: hard t, hard r, hard u (-1 = no limit), key expiry (unix ms).
 -- Returns {1, committed t r u per counter...} or {0, part, dim, used, hard, committed...}
@@ -64,16 +64,15 @@ for i = 0, n - 1 do
   end
 end
 
+-- The script runs alone, so the held totals read above are still current: one HSET each.
 for i = 0, n - 1 do
-  local k, l, s = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
-  for d = 1, 3 do
-    if amt[d] > 0 then redis.call('HINCRBY', k, held_f[d], ARGV[1 + d]) end
-  end
+  local k, l = KEYS[3 * i + 1], KEYS[3 * i + 2]
+  local c = cur[i + 1]
+  redis.call('HSET', k, 'ht', c[4] + amt[1], 'hr', c[5] + amt[2], 'hu', c[6] + amt[3])
   redis.call('ZADD', l, now + lease, ARGV[1])
   local exp = ARGV[6 + 4 * i + 4]
   redis.call('PEXPIREAT', k, exp)
   redis.call('PEXPIREAT', l, exp)
-  if redis.call('EXISTS', s) == 1 then redis.call('PEXPIREAT', s, exp) end
 end
 local r = {1}
 for _, x in ipairs(committed) do r[#r + 1] = x end

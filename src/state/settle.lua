@@ -15,31 +15,31 @@ local keep = tonumber(ARGV[7])
 local n = tonumber(ARGV[8])
 local a, b, c = string.match(ARGV[1], ':(%d+):(%d+):(%d+)$')
 local held = {tonumber(a), tonumber(b), tonumber(c)}
-local held_f = {'ht', 'hr', 'hu'}
-local comm_f = {'ct', 'cr', 'cu'}
+local actual = {tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])}
+-- Old settled ids are trimmed by about one settle in 16 (rids end in a hex sequence number).
+local trim = string.sub(rid, -1) == '0'
 local done = 0
 for i = 0, n - 1 do
   local k, l, s = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
   if not redis.call('ZSCORE', s, rid) then
     -- Still held: give the hold back. Not held: its lease ran out and a reserve purged it.
-    if redis.call('ZREM', l, ARGV[1]) == 1 then
-      for d = 1, 3 do
-        if held[d] > 0 then
-          local left = redis.call('HINCRBY', k, held_f[d], -held[d])
-          if left < 0 then redis.call('HSET', k, held_f[d], 0) end
-        end
+    local was_held = redis.call('ZREM', l, ARGV[1]) == 1
+    if was_held or commit then
+      local v = redis.call('HMGET', k, 'ct', 'cr', 'cu', 'ht', 'hr', 'hu')
+      local x = {}
+      for j = 1, 6 do x[j] = tonumber(v[j]) or 0 end
+      if was_held then
+        for d = 1, 3 do x[d + 3] = math.max(0, x[d + 3] - held[d]) end
       end
-    end
-    if commit then
-      for d = 1, 3 do
-        if ARGV[3 + d] ~= '0' then redis.call('HINCRBY', k, comm_f[d], ARGV[3 + d]) end
+      if commit then
+        for d = 1, 3 do x[d] = x[d] + actual[d] end
       end
+      redis.call('HSET', k, 'ct', x[1], 'cr', x[2], 'cu', x[3], 'ht', x[4], 'hr', x[5], 'hu', x[6])
     end
     redis.call('ZADD', s, now, rid)
-    redis.call('ZREMRANGEBYSCORE', s, '-inf', now - keep)
+    if trim then redis.call('ZREMRANGEBYSCORE', s, '-inf', now - keep) end
     local exp = ARGV[8 + i + 1]
-    if redis.call('EXISTS', k) == 1 then redis.call('PEXPIREAT', k, exp) end
-    if redis.call('EXISTS', l) == 1 then redis.call('PEXPIREAT', l, exp) end
+    redis.call('PEXPIREAT', k, exp)
     redis.call('PEXPIREAT', s, exp)
     done = done + 1
   end
