@@ -51,7 +51,7 @@ async fn replica(
 version: rr-1
 server: {{listen: "127.0.0.1:{port}", admin_listen: "127.0.0.1:{admin}"}}
 backends:
-  - {{id: primary, kind: openai, base_url: "{mock}"}}
+  - {{id: primary, kind: openai, base_url: "{mock}", timeouts: {{total: 1500ms}}}}
 routes:
   - model: chat
     chain: [{{backend: primary, model: small}}]
@@ -230,9 +230,9 @@ async fn a_killed_replicas_reservations_end_with_the_lease() {
         "b is refused while a's calls are in flight"
     );
 
-    // kill -9 a: its reservations are never settled.
+    // kill -9 a (long before its calls' 1.5 s timeout): its reservations are never settled.
     a.serve.kill9();
-    if t0.elapsed() < lease - Duration::from_millis(500) {
+    if t0.elapsed() < lease - Duration::from_millis(1000) {
         assert_eq!(chat(&b).await.0, 403, "still held within the lease");
     }
     let until = t0 + lease + Duration::from_millis(300);

@@ -163,7 +163,7 @@ rate_limits:
 budgets:
   - {name: b, scope: consumer, window: day, hard_requests: 100, soft_tokens: 50}
 state: {backend: redis, redis_url: 'redis://r:6379', job_idle_ttl: 90m, on_unavailable: local,
-        lease: 20s, flush_interval: 200ms, namespace: team-a}
+        lease: 200s, flush_interval: 200ms, namespace: team-a}
 audit: {sink: postgres, postgres_url: 'postgres://db/x', queue: 16}
 ";
     let p = from_str(src, "x.yaml").expect("valid");
@@ -176,7 +176,7 @@ audit: {sink: postgres, postgres_url: 'postgres://db/x', queue: 16}
     assert_eq!(p.state.redis_url.as_deref(), Some("redis://r:6379"));
     assert_eq!(p.state.job_idle_ttl, Duration::from_secs(5400));
     assert_eq!(p.state.on_unavailable, OnUnavailable::Local);
-    assert_eq!(p.state.lease, Duration::from_secs(20));
+    assert_eq!(p.state.lease, Duration::from_secs(200));
     assert_eq!(p.state.flush_interval, Duration::from_millis(200));
     assert_eq!(p.state.namespace, "team-a");
     assert_eq!((p.audit.sink, p.audit.queue), (AuditSink::Postgres, 16));
@@ -248,6 +248,7 @@ fn validation_errors() {
         (format!("{m}state: {{flush_interval: 0s}}\n"), "state.flush_interval", 9, "longer than zero"),
         (format!("{m}state: {{flush_interval: 2m}}\n"), "state.flush_interval", 9, "at most 60s"),
         (format!("{m}state: {{lease: 500ms}}\n"), "state.lease", 9, "at least 1s"),
+        (format!("{m}state: {{backend: redis, redis_url: 'redis://r', lease: 120s}}\n"), "state.lease", 9, "longer than the longest call (backends[0].timeouts.total = 120s)"),
         (format!("{m}state: {{namespace: 'a{{b}}'}}\n"), "state.namespace", 9, "hash tag"),
         (format!("{m}audit:\n  sink: postgres\n"), "audit.postgres_url", 9, "required when audit.sink is postgres"),
         (format!("{m}audit:\n  sink: kafka\n"), "audit.sink", 10, "expected one of jsonl, sqlite, postgres, off"),
