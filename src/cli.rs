@@ -138,6 +138,7 @@ pub async fn serve(path: &std::path::Path) -> u8 {
         Ok(r) => r,
         Err(e) => {
             eprintln!("cannot listen: {e}");
+            state.finish().await;
             return EXIT_INVALID;
         }
     };
