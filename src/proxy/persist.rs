@@ -108,3 +108,47 @@ fn restore_circuit(g: &Governor, c: &CircuitRow) {
         0,
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::CircuitCfg;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn circuits_and_counters_come_back_through_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("s.db");
+        let yaml = format!(
+            "version: p-1
+backends: [{{id: primary, kind: openai, base_url: 'http://127.0.0.1:9/v1'}}]
+routes: [{{model: chat, chain: [{{backend: primary, model: small}}]}}]
+state: {{backend: sqlite, path: '{}', flush_interval: 10s}}
+",
+            db.display()
+        );
+        let policy = crate::policy::from_str(&yaml, "p.yaml").unwrap();
+
+        let first = State::open(&policy).unwrap();
+        let now = jiff::Timestamp::now().as_millisecond();
+        let cfg = CircuitCfg {
+            failure_threshold: 1,
+            recovery_timeout: Duration::from_secs(600),
+            half_open_max_calls: 1,
+            accept_retry_after: true,
+        };
+        assert!(first
+            .governor
+            .circuit(&Arc::from("primary"))
+            .on_failure(now, &cfg, None, None));
+        // The flush on finish (the interval is far away) writes it.
+        first.finish().await;
+
+        let second = State::open(&policy).unwrap();
+        let c = second.governor.circuit(&Arc::from("primary"));
+        assert_eq!(c.state_at(now + 1), CircuitState::Open);
+        assert_eq!(c.open_until(), now + 600_000);
+        assert_eq!(c.consecutive_failures(), 1);
+        second.finish().await;
+    }
+}
