@@ -144,13 +144,13 @@ pub async fn serve(path: &std::path::Path) -> u8 {
         }
     };
     crate::estimate::warm_up_for(snap.policy.estimate.tokenizer);
-    if snap.policy.state.backend != crate::policy::StateBackend::Memory {
-        tracing::warn!(
-            backend = ?snap.policy.state.backend,
-            "state.backend: only `memory` is available in this build; counters live in memory \
-             and do not survive a restart"
-        );
-    }
+    let state = match crate::proxy::persist::State::open(&snap.policy) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("{e}");
+            return EXIT_INVALID;
+        }
+    };
     let (audit, writer) = match start_audit(&snap.policy) {
         Ok(a) => a,
         Err(e) => {
@@ -159,11 +159,13 @@ pub async fn serve(path: &std::path::Path) -> u8 {
         }
     };
     let version = snap.policy.version.clone();
-    let mut running = match crate::proxy::start(snap, audit, crate::proxy::Options::default()).await
-    {
+    let opts = crate::proxy::Options::default();
+    let mut running =
+        match crate::proxy::start_with(snap, audit, opts, state.governor.clone()).await {
         Ok(r) => r,
         Err(e) => {
             eprintln!("cannot listen: {e}");
+            state.finish().await;
             return EXIT_INVALID;
         }
     };
@@ -174,6 +176,7 @@ pub async fn serve(path: &std::path::Path) -> u8 {
     let app = running.app.clone();
     running.shutdown().await;
     drop(app);
+    state.finish().await;
     if let Some(w) = writer {
         let _ = tokio::task::spawn_blocking(move || w.finish()).await;
     }

@@ -14,6 +14,7 @@ pub mod policy;
 pub mod providers;
 pub mod proxy;
 pub mod scenario;
+pub mod state;
 pub mod stream;
 pub mod telemetry;
 pub mod units;

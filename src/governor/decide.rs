@@ -5,6 +5,7 @@
 use super::circuit::{Admission, CircuitState};
 use super::plan::{self, PartInfo, Who};
 use super::record::*;
+use super::reserve::ReserveError;
 use super::upstream::{CallResult, CallSpec, Clock, FailureClass, Skip, Upstream};
 use super::{Governor, Outcome, Pending, RequestCtx, Served};
 use crate::ledger::WindowSet;
@@ -38,6 +39,9 @@ impl Walk {
         self.wait_hint_ms = Some(self.wait_hint_ms.map_or(ms, |h| h.min(ms)));
     }
 }
+
+/// Retry-After given when the shared state store does not answer.
+const STATE_RETRY_MS: i64 = 1000;
 
 fn ceil_secs(ms: i64) -> u64 {
     ((ms.max(0) as u64).div_ceil(1000)).max(1)
@@ -136,10 +140,16 @@ impl Governor {
                 }
                 // Gates 2–4: rate limits, quotas, hard budgets — one all-or-nothing reservation.
                 let all: Vec<&PartInfo> = req_parts.iter().chain(entry_parts.iter()).collect();
-                let reserve: Vec<_> = all.iter().map(|p| p.reserve_part()).collect();
-                let reservation = match self.ledger.reserve(&reserve, amount) {
+                let reservation = match self.reserve_all(policy, &all, amount, now).await {
                     Ok(r) => r,
-                    Err(refusal) => {
+                    Err(ReserveError::Unavailable) => {
+                        // The shared store cannot say whether this fits: fail closed, and
+                        // no other entry can do better (they need the same store).
+                        rec.reason_class.note(ReasonClass::StateUnavailable);
+                        walk.hint(STATE_RETRY_MS);
+                        break 'chain;
+                    }
+                    Err(ReserveError::Refused(refusal)) => {
                         let part = all[refusal.part];
                         let dim = refusal.refusal.dim;
                         let bidx = part.hard_src[dim as usize].unwrap_or(0);

@@ -6,6 +6,7 @@ pub mod circuit;
 mod decide;
 pub mod plan;
 pub mod record;
+mod reserve;
 mod settle;
 pub mod upstream;
 
@@ -19,7 +20,7 @@ pub use upstream::{
     CallResult, CallSpec, Clock, Failure, FailureClass, Skip, SystemClock, Upstream,
 };
 
-use crate::ledger::{Ledger, Reservation, WindowSet};
+use crate::ledger::{Ledger, Reservation, SharedCounters, WindowSet};
 use arc_swap::ArcSwapOption;
 use dashmap::DashMap;
 use plan::PartInfo;
@@ -97,6 +98,9 @@ pub struct Governor {
     circuits: DashMap<Arc<str>, Arc<Circuit>>,
     /// The current windows, recomputed only when the minute turns (or the zone changes).
     windows: ArcSwapOption<(String, WindowSet)>,
+    /// Counters shared with other replicas (`state.backend: redis`); `None` = the local ledger
+    /// alone decides (memory, sqlite), with no await on the reservation path.
+    shared: Option<Arc<dyn SharedCounters>>,
 }
 
 impl Governor {
@@ -105,6 +109,16 @@ impl Governor {
             ledger,
             circuits: DashMap::new(),
             windows: ArcSwapOption::empty(),
+            shared: None,
+        }
+    }
+
+    /// A governor whose hard limits are decided by a shared store; the local ledger mirrors
+    /// its committed totals.
+    pub fn with_shared(ledger: Arc<Ledger>, shared: Arc<dyn SharedCounters>) -> Self {
+        Governor {
+            shared: Some(shared),
+            ..Governor::new(ledger)
         }
     }
 

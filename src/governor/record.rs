@@ -41,6 +41,9 @@ state_enum!(
         Ok => "OK",
         Unauthenticated => "UNAUTHENTICATED",
         BadRequest => "BAD_REQUEST",
+        // Not in SPEC §2's list: the shared state store (Redis) did not answer, so no bound
+        // could be judged. It precedes the bounds' gates; the answer is DEFER 503.
+        StateUnavailable => "STATE_UNAVAILABLE",
         RateLimited => "RATE_LIMITED",
         QuotaBlocked => "QUOTA_BLOCKED",
         HardBudgetExceeded => "HARD_BUDGET_EXCEEDED",

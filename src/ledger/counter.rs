@@ -143,6 +143,22 @@ impl Counter {
         Amount::from_array(before)
     }
 
+    /// Sets the committed amount to what a shared store reports (Redis holds the truth for
+    /// every replica; the local counter mirrors it for soft bounds, status and metrics).
+    /// Local reservations in flight stay counted in `used`.
+    pub fn mirror_committed(&self, shared: &Amount) {
+        for d in Dim::ALL {
+            let i = d as usize;
+            let target = shared.get(d);
+            let old = self.committed[i].swap(target, Ordering::AcqRel);
+            if target >= old {
+                self.used[i].fetch_add(target - old, Ordering::AcqRel);
+            } else {
+                self.sub_used(d, old - target);
+            }
+        }
+    }
+
     /// Books usage that needs no reservation (state loaded at start, scenario seeds).
     pub fn add_committed(&self, actual: &Amount) {
         let _ = self.commit(&Amount::ZERO, actual);

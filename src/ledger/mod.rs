@@ -7,6 +7,7 @@
 
 mod counter;
 mod job;
+pub mod shared;
 mod window;
 
 #[cfg(test)]
@@ -14,6 +15,7 @@ mod tests;
 
 pub use counter::{Counter, DimRefusal};
 pub use job::JobLedger;
+pub use shared::{SharedCounters, SharedHold, SharedPart, SharedReply, StoreUnavailable};
 pub use window::{window_at, window_end, WindowKey, WindowSet};
 
 use crate::units::{Amount, Millis, Scope};
@@ -52,11 +54,19 @@ pub struct Reservation {
     amount: Amount,
     ledger: Arc<LedgerTotals>,
     settled: bool,
+    /// The same worst case held in a shared store (Redis), settled or released with this one.
+    shared: Option<Box<dyn SharedHold>>,
 }
 
 impl Reservation {
     pub fn amount(&self) -> Amount {
         self.amount
+    }
+
+    /// Ties a hold in a shared store to this reservation: committing settles it with the
+    /// actual usage, dropping releases it.
+    pub fn attach(&mut self, hold: Box<dyn SharedHold>) {
+        self.shared = Some(hold);
     }
 
     /// Commits the actual usage in place of the reserved worst case. Returns, per counter
@@ -69,6 +79,9 @@ impl Reservation {
             .collect();
         self.ledger.unreserve(self.amount.tokens);
         self.settled = true;
+        if let Some(h) = self.shared.take() {
+            h.settle(actual);
+        }
         before
     }
 
@@ -160,6 +173,7 @@ impl Ledger {
             amount,
             ledger: self.totals.clone(),
             settled: false,
+            shared: None,
         })
     }
 
@@ -196,6 +210,25 @@ impl Ledger {
             id: id.clone(),
             window: None,
         });
+    }
+
+    /// Visits every counter in place (persistence scans). Not for the request path: it
+    /// read-locks each shard of the map in turn.
+    pub fn for_each_counter(&self, mut f: impl FnMut(&CounterKey, &Counter)) {
+        for e in self.counters.iter() {
+            f(e.key(), e.value());
+        }
+    }
+
+    /// Every job ledger: (id, attempts, fallbacks, last seen). Not for the request path.
+    pub fn jobs_snapshot(&self) -> Vec<(Arc<str>, u32, u32, Millis)> {
+        self.jobs
+            .iter()
+            .map(|e| {
+                let j = e.value();
+                (e.key().clone(), j.attempts(), j.fallbacks(), j.last_seen())
+            })
+            .collect()
     }
 
     pub fn job_count(&self) -> usize {

@@ -1230,3 +1230,21 @@ fn windows_tile_time_around_transitions_in_every_zone() {
     }
     assert!(checked > 10_000);
 }
+
+#[test]
+fn mirroring_shared_totals_keeps_local_reservations_counted() {
+    let c = Counter::new(i64::MAX);
+    c.add_committed(&amt(100, 2, 10));
+    c.try_reserve(&amt(30, 1, 5), &unlimited()).unwrap();
+    // Another replica committed more: the store reports 250.
+    c.mirror_committed(&amt(250, 5, 40));
+    assert_eq!(c.committed(), amt(250, 5, 40));
+    assert_eq!(c.reserved(), amt(30, 1, 5), "the local hold is still there");
+    // And a lower report (a fresh Redis) lowers it without touching the hold.
+    c.mirror_committed(&amt(0, 0, 0));
+    assert_eq!(c.committed(), Amount::ZERO);
+    assert_eq!(c.used(), amt(30, 1, 5));
+    c.commit(&amt(30, 1, 5), &amt(12, 1, 2));
+    assert_eq!(c.committed(), amt(12, 1, 2));
+    assert_eq!(c.reserved(), Amount::ZERO);
+}

@@ -52,6 +52,10 @@ pub const DEFAULT_DEFER_MAX_RETRY_AFTER: Duration = Duration::from_secs(300);
 pub const DEFAULT_STATE_BACKEND: &str = "sqlite";
 pub const DEFAULT_STATE_PATH: &str = "tollgate.db";
 pub const DEFAULT_JOB_IDLE_TTL: Duration = Duration::from_secs(3600);
+pub const DEFAULT_STATE_ON_UNAVAILABLE: &str = "deny";
+pub const DEFAULT_STATE_FLUSH_INTERVAL: Duration = Duration::from_millis(50);
+pub const DEFAULT_STATE_LEASE: Duration = Duration::from_secs(150);
+pub const DEFAULT_STATE_NAMESPACE: &str = "default";
 pub const DEFAULT_AUDIT_SINK: &str = "jsonl";
 pub const DEFAULT_AUDIT_PATH: &str = "tollgate-audit.jsonl";
 pub const DEFAULT_AUDIT_QUEUE: usize = 8192;
@@ -269,6 +273,10 @@ pub struct RawState {
     pub path: Option<String>,
     pub redis_url: Option<String>,
     pub job_idle_ttl: Option<RawDuration>,
+    pub on_unavailable: Option<String>,
+    pub flush_interval: Option<RawDuration>,
+    pub lease: Option<RawDuration>,
+    pub namespace: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -6,6 +6,7 @@ use super::source::{At, Merged};
 use super::types::*;
 use super::validate::V;
 use std::collections::HashSet;
+use std::time::Duration;
 
 /// Reads `$opt` from an optional section `$sec`.
 macro_rules! get {
@@ -309,11 +310,69 @@ impl V<'_> {
             DEFAULT_JOB_IDLE_TTL,
             true,
         );
+        let ou = get!(m.state, on_unavailable).map_or(DEFAULT_STATE_ON_UNAVAILABLE, |s| s.as_str());
+        let on_unavailable = self
+            .one_of(
+                f,
+                "state.on_unavailable",
+                ou,
+                &[
+                    ("deny", OnUnavailable::Deny),
+                    ("local", OnUnavailable::Local),
+                ],
+            )
+            .unwrap_or(OnUnavailable::Deny);
+        let flush_interval = self.dur(
+            f,
+            "state.flush_interval".into(),
+            get!(m.state, flush_interval),
+            DEFAULT_STATE_FLUSH_INTERVAL,
+            true,
+        );
+        if flush_interval > Duration::from_secs(60) {
+            self.err::<()>(
+                f,
+                "state.flush_interval",
+                "must be at most 60s (it bounds what a crash loses)",
+            );
+        }
+        let lease = self.dur(
+            f,
+            "state.lease".into(),
+            get!(m.state, lease),
+            DEFAULT_STATE_LEASE,
+            true,
+        );
+        if lease < Duration::from_secs(1) {
+            self.err::<()>(
+                f,
+                "state.lease",
+                "must be at least 1s (it must outlast a call)",
+            );
+        }
+        let namespace = match get!(m.state, namespace) {
+            Some(s) => {
+                let n = self.required(f, "state.namespace".into(), Some(s));
+                if n.contains(['{', '}']) || n.chars().any(char::is_whitespace) {
+                    self.err::<()>(
+                        f,
+                        "state.namespace",
+                        "must not contain braces or spaces (it is a Redis hash tag)",
+                    );
+                }
+                n
+            }
+            None => DEFAULT_STATE_NAMESPACE.to_owned(),
+        };
         StateCfg {
             backend,
             path,
             redis_url,
             job_idle_ttl,
+            on_unavailable,
+            flush_interval,
+            lease,
+            namespace,
         }
     }
 

@@ -137,6 +137,14 @@ fn minimal_policy_gets_defaults() {
         (StateBackend::Sqlite, "tollgate.db")
     );
     assert_eq!(p.state.job_idle_ttl, Duration::from_secs(3600));
+    assert_eq!(
+        p.state.on_unavailable,
+        OnUnavailable::Deny,
+        "fail closed by default"
+    );
+    assert_eq!(p.state.flush_interval, Duration::from_millis(50));
+    assert_eq!(p.state.lease, Duration::from_secs(150));
+    assert_eq!(p.state.namespace, "default");
     assert_eq!((p.audit.sink, p.audit.queue), (AuditSink::Jsonl, 8192));
     assert!(p.bounds.is_empty());
 }
@@ -154,7 +162,8 @@ rate_limits:
   - {name: rpm, scope: consumer, match: bob, window: minute, limit_requests: 60}
 budgets:
   - {name: b, scope: consumer, window: day, hard_requests: 100, soft_tokens: 50}
-state: {backend: redis, redis_url: 'redis://r:6379', job_idle_ttl: 90m}
+state: {backend: redis, redis_url: 'redis://r:6379', job_idle_ttl: 90m, on_unavailable: local,
+        lease: 200s, flush_interval: 200ms, namespace: team-a}
 audit: {sink: postgres, postgres_url: 'postgres://db/x', queue: 16}
 ";
     let p = from_str(src, "x.yaml").expect("valid");
@@ -166,6 +175,10 @@ audit: {sink: postgres, postgres_url: 'postgres://db/x', queue: 16}
     assert_eq!(p.bounds[1].soft.tokens, Some(50));
     assert_eq!(p.state.redis_url.as_deref(), Some("redis://r:6379"));
     assert_eq!(p.state.job_idle_ttl, Duration::from_secs(5400));
+    assert_eq!(p.state.on_unavailable, OnUnavailable::Local);
+    assert_eq!(p.state.lease, Duration::from_secs(200));
+    assert_eq!(p.state.flush_interval, Duration::from_millis(200));
+    assert_eq!(p.state.namespace, "team-a");
     assert_eq!((p.audit.sink, p.audit.queue), (AuditSink::Postgres, 16));
     let off = from_str(
         &MINIMAL.replace("version: lab-1", "version: v\naudit: {sink: off}"),
@@ -231,6 +244,12 @@ fn validation_errors() {
         (format!("{m}estimate: {{tokenizer: gpt2}}\n"), "estimate.tokenizer", 9, "expected one of o200k, cl100k, chars"),
         (format!("{m}state: {{backend: redis}}\n"), "state.redis_url", 9, "required when state.backend is redis"),
         (format!("{m}state: {{backend: etcd}}\n"), "state.backend", 9, "expected one of memory, sqlite, redis"),
+        (format!("{m}state: {{on_unavailable: maybe}}\n"), "state.on_unavailable", 9, "expected one of deny, local"),
+        (format!("{m}state: {{flush_interval: 0s}}\n"), "state.flush_interval", 9, "longer than zero"),
+        (format!("{m}state: {{flush_interval: 2m}}\n"), "state.flush_interval", 9, "at most 60s"),
+        (format!("{m}state: {{lease: 500ms}}\n"), "state.lease", 9, "at least 1s"),
+        (format!("{m}state: {{backend: redis, redis_url: 'redis://r', lease: 120s}}\n"), "state.lease", 9, "longer than the longest call (backends[0].timeouts.total = 120s)"),
+        (format!("{m}state: {{namespace: 'a{{b}}'}}\n"), "state.namespace", 9, "hash tag"),
         (format!("{m}audit:\n  sink: postgres\n"), "audit.postgres_url", 9, "required when audit.sink is postgres"),
         (format!("{m}audit:\n  sink: kafka\n"), "audit.sink", 10, "expected one of jsonl, sqlite, postgres, off"),
         (format!("{m}audit:\n  sink: sqlite\n  table: \"x; drop\"\n"), "audit.table", 11, "not a plain SQL name"),

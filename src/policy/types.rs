@@ -313,6 +313,23 @@ pub struct StateCfg {
     pub redis_url: Option<String>,
     /// How long a job ledger lives after its last use.
     pub job_idle_ttl: Duration,
+    /// What a request meets when the shared store (Redis) does not answer.
+    pub on_unavailable: OnUnavailable,
+    /// SQLite: how often the write-behind task persists changed state (the kill -9 loss bound).
+    pub flush_interval: Duration,
+    /// Redis: how long a reservation is held without being settled (a dead replica's holds
+    /// vanish after it). Must outlast the longest call.
+    pub lease: Duration,
+    /// Redis: the key namespace (`{tollgate:<namespace>}`); replicas sharing budgets share it.
+    pub namespace: String,
+}
+
+/// `state.on_unavailable`: fail closed (refuse with 503) or fall back to the replica's own
+/// in-memory ledger while the shared store is down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnUnavailable {
+    Deny,
+    Local,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

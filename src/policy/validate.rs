@@ -76,6 +76,26 @@ pub(crate) fn validate(
         (v.retry(&m), v.fallback(&m), v.degrade(&m), v.defer(&m));
     let (state, audit) = (v.state(&m), v.audit(&m));
     let alerts = v.alerts_cfg(&m);
+    // A shared hold must outlive the call it covers, or other replicas could spend it twice.
+    if state.backend == StateBackend::Redis {
+        if let Some((i, b)) = backends
+            .iter()
+            .enumerate()
+            .max_by_key(|(_, b)| b.timeouts.total)
+        {
+            if state.lease <= b.timeouts.total {
+                let f = m.state.as_ref().map_or(0, |s| s.file);
+                v.err::<()>(
+                    f,
+                    "state.lease",
+                    format!(
+                        "must be longer than the longest call (backends[{i}].timeouts.total = {:?}): a call must not outlive its hold",
+                        b.timeouts.total
+                    ),
+                );
+            }
+        }
+    }
     if !v.errs.is_empty() {
         return Err(PolicyErrors(v.errs));
     }

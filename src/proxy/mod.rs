@@ -3,6 +3,7 @@
 
 pub mod handler;
 pub mod identity;
+pub mod persist;
 pub mod respond;
 pub mod server;
 pub mod snapshot;
@@ -10,5 +11,5 @@ pub mod stream;
 pub mod transport;
 
 pub use handler::App;
-pub use server::{reload, start, Options, Running};
+pub use server::{reload, start, start_with, Options, Running};
 pub use snapshot::Snapshot;

@@ -117,6 +117,7 @@ impl Refusal {
 /// A one-line, secret-free explanation of a governed refusal.
 pub fn explain(rec: &Record) -> String {
     let why = match rec.reason_class {
+        ReasonClass::StateUnavailable => "the shared state store does not answer",
         ReasonClass::RateLimited => "a rate limit is full",
         ReasonClass::QuotaBlocked => "a quota is used up",
         ReasonClass::HardBudgetExceeded => {

@@ -49,8 +49,19 @@ async fn bind(opt: Option<SocketAddr>, from_policy: &str) -> std::io::Result<Tcp
     }
 }
 
-/// Binds both ports and starts serving.
+/// Binds both ports and starts serving, with counters in memory.
 pub async fn start(snap: Snapshot, audit: Audit, opts: Options) -> std::io::Result<Running> {
+    let governor = Arc::new(Governor::new(Arc::new(Ledger::new())));
+    start_with(snap, audit, opts, governor).await
+}
+
+/// Binds both ports and starts serving over `governor` (state loaded or shared: `persist`).
+pub async fn start_with(
+    snap: Snapshot,
+    audit: Audit,
+    opts: Options,
+    governor: Arc<Governor>,
+) -> std::io::Result<Running> {
     let data = bind(opts.listen, &snap.policy.server.listen).await?;
     let admin_l = bind(opts.admin_listen, &snap.policy.server.admin_listen).await?;
     let (addr, admin_addr) = (data.local_addr()?, admin_l.local_addr()?);
@@ -59,7 +70,7 @@ pub async fn start(snap: Snapshot, audit: Audit, opts: Options) -> std::io::Resu
     let ops = Arc::new(Ops::new(snap.policy.version.clone()));
     let app = Arc::new(App {
         snap: ArcSwap::from_pointee(snap),
-        governor: Arc::new(Governor::new(Arc::new(Ledger::new()))),
+        governor,
         transport: Transport::new(),
         audit,
     });

@@ -4,6 +4,7 @@
 
 pub mod mock;
 pub mod native;
+pub mod process;
 pub mod sidecar;
 
 use std::time::{Duration, Instant};

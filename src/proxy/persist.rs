@@ -1,0 +1,154 @@
+//! Wiring of `state.backend` at start: build the governor over the chosen store, load
+//! persisted state before the listener opens, and flush it on shutdown.
+//! (Lives in `proxy/` because it joins the governor's circuits with `state/`, which sits
+//! below the governor.)
+
+use crate::governor::{CircuitState, Governor};
+use crate::ledger::Ledger;
+use crate::policy::{Policy, StateBackend};
+use crate::state::{CircuitRow, Persister, RedisStore, SqliteStore, StateError};
+use std::sync::Arc;
+
+/// The state behind a running sidecar.
+#[derive(Debug)]
+pub struct State {
+    pub governor: Arc<Governor>,
+    persister: Option<Persister>,
+}
+
+impl State {
+    /// Opens the state the policy asks for. SQLite: loads counters (ended windows dropped),
+    /// job ledgers and circuits, and starts the write-behind thread.
+    pub fn open(policy: &Policy) -> Result<State, StateError> {
+        let cfg = &policy.state;
+        let ledger = Arc::new(Ledger::new());
+        match cfg.backend {
+            StateBackend::Memory => Ok(State {
+                governor: Arc::new(Governor::new(ledger)),
+                persister: None,
+            }),
+            StateBackend::Sqlite => {
+                let mut store = SqliteStore::open(std::path::Path::new(&cfg.path))?;
+                let now = jiff::Timestamp::now().as_millisecond();
+                let circuits = store.load(&ledger, now, cfg.job_idle_ttl.as_millis() as i64)?;
+                let governor = Arc::new(Governor::new(ledger.clone()));
+                for c in &circuits {
+                    restore_circuit(&governor, c);
+                }
+                tracing::info!(
+                    path = %cfg.path,
+                    counters = ledger.counter_count(),
+                    jobs = ledger.job_count(),
+                    circuits = circuits.len(),
+                    flush_ms = cfg.flush_interval.as_millis() as u64,
+                    "state: SQLite loaded"
+                );
+                let g = governor.clone();
+                let persister = store
+                    .spawn(
+                        ledger,
+                        Box::new(move || circuit_rows(&g)),
+                        cfg.flush_interval,
+                    )
+                    .map_err(|e| StateError(format!("cannot start the state thread: {e}")))?;
+                Ok(State {
+                    governor,
+                    persister: Some(persister),
+                })
+            }
+            StateBackend::Redis => {
+                let store = RedisStore::new(cfg)?;
+                tracing::info!(
+                    prefix = %store.prefix(),
+                    on_unavailable = ?cfg.on_unavailable,
+                    lease_ms = cfg.lease.as_millis() as u64,
+                    "state: counters shared through Redis"
+                );
+                Ok(State {
+                    governor: Arc::new(Governor::with_shared(ledger, Arc::new(store))),
+                    persister: None,
+                })
+            }
+        }
+    }
+
+    /// Flushes and stops the write-behind thread (after the listeners have drained).
+    pub async fn finish(self) {
+        if let Some(p) = self.persister {
+            let _ = tokio::task::spawn_blocking(move || p.finish()).await;
+        }
+    }
+}
+
+fn circuit_rows(g: &Governor) -> Vec<CircuitRow> {
+    g.circuits()
+        .into_iter()
+        .map(|(id, c)| CircuitRow {
+            backend: id.to_string(),
+            state: c.raw_state().as_str().to_owned(),
+            failures: c.consecutive_failures(),
+            opened_at: c.opened_at(),
+            open_until: c.open_until(),
+        })
+        .collect()
+}
+
+fn restore_circuit(g: &Governor, c: &CircuitRow) {
+    let state = match c.state.as_str() {
+        "OPEN" => CircuitState::Open,
+        "HALF_OPEN" => CircuitState::HalfOpen,
+        _ => CircuitState::Closed,
+    };
+    // Probes in flight died with the old process.
+    g.circuit(&Arc::from(c.backend.as_str())).restore(
+        state,
+        c.failures,
+        c.opened_at,
+        c.open_until,
+        0,
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::CircuitCfg;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn circuits_and_counters_come_back_through_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("s.db");
+        let yaml = format!(
+            "version: p-1
+backends: [{{id: primary, kind: openai, base_url: 'http://127.0.0.1:9/v1'}}]
+routes: [{{model: chat, chain: [{{backend: primary, model: small}}]}}]
+state: {{backend: sqlite, path: '{}', flush_interval: 10s}}
+",
+            db.display()
+        );
+        let policy = crate::policy::from_str(&yaml, "p.yaml").unwrap();
+
+        let first = State::open(&policy).unwrap();
+        let now = jiff::Timestamp::now().as_millisecond();
+        let cfg = CircuitCfg {
+            failure_threshold: 1,
+            recovery_timeout: Duration::from_secs(600),
+            half_open_max_calls: 1,
+            accept_retry_after: true,
+        };
+        assert!(first
+            .governor
+            .circuit(&Arc::from("primary"))
+            .on_failure(now, &cfg, None, None));
+        // The flush on finish (the interval is far away) writes it.
+        first.finish().await;
+
+        let second = State::open(&policy).unwrap();
+        let c = second.governor.circuit(&Arc::from("primary"));
+        assert_eq!(c.state_at(now + 1), CircuitState::Open);
+        assert_eq!(c.open_until(), now + 600_000);
+        assert_eq!(c.consecutive_failures(), 1);
+        second.finish().await;
+    }
+}
