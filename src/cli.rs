@@ -162,13 +162,13 @@ pub async fn serve(path: &std::path::Path) -> u8 {
     let opts = crate::proxy::Options::default();
     let mut running =
         match crate::proxy::start_with(snap, audit, opts, state.governor.clone()).await {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("cannot listen: {e}");
-            state.finish().await;
-            return EXIT_INVALID;
-        }
-    };
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("cannot listen: {e}");
+                state.finish().await;
+                return EXIT_INVALID;
+            }
+        };
     tracing::info!(addr = %running.addr, admin = %running.admin_addr, %version, "tollgate serving");
     running.watch_policy(path.to_path_buf());
     wait_for_signals(&running).await;
