@@ -171,6 +171,12 @@ pub async fn serve(path: &std::path::Path) -> u8 {
         };
     tracing::info!(addr = %running.addr, admin = %running.admin_addr, %version, "tollgate serving");
     running.watch_policy(path.to_path_buf());
+    if let Some(store) = state.redis.clone() {
+        running.ops.set_state_check(std::sync::Arc::new(move || {
+            let store = store.clone();
+            Box::pin(async move { store.ready().await })
+        }));
+    }
     wait_for_signals(&running).await;
     tracing::info!("shutting down: draining in-flight requests");
     let app = running.app.clone();

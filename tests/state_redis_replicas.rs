@@ -66,6 +66,11 @@ audit: {{sink: "off"}}
     Replica { serve }
 }
 
+async fn readyz(r: &Replica) -> u16 {
+    let url = format!("http://127.0.0.1:{}/readyz", r.serve.admin_port);
+    common::get(&url).await.0
+}
+
 async fn chat(r: &Replica) -> (u16, String, Option<String>) {
     chat_at(&r.serve.chat_url()).await
 }
@@ -330,6 +335,7 @@ async fn redis_stopped_mid_run_follows_on_unavailable_and_recovers() {
     .await;
     assert_eq!(chat(&deny).await.0, 200);
     assert_eq!(chat(&local).await.0, 200);
+    assert_eq!(readyz(&deny).await, 200);
 
     // Redis stops mid-run.
     server.kill().unwrap();
@@ -341,6 +347,9 @@ async fn redis_stopped_mid_run_follows_on_unavailable_and_recovers() {
         "deny refuses"
     );
     assert_eq!(retry_after.as_deref(), Some("1"));
+    // /readyz pings Redis itself: deny is out of service, local keeps serving alone.
+    assert_eq!(readyz(&deny).await, 503, "deny is not ready without Redis");
+    assert_eq!(readyz(&local).await, 200, "local stays ready");
     assert_eq!(
         chat(&local).await.0,
         200,
@@ -359,6 +368,7 @@ async fn redis_stopped_mid_run_follows_on_unavailable_and_recovers() {
     let mut server = redis_server(port, dir.path());
     wait_redis(&url).await;
     assert_eq!(until_status(&deny, 200).await.0, 200, "deny recovers");
+    assert_eq!(readyz(&deny).await, 200, "ready again");
     assert_eq!(until_status(&local, 200).await.0, 200);
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {

@@ -14,6 +14,8 @@ use std::sync::Arc;
 pub struct State {
     pub governor: Arc<Governor>,
     persister: Option<Persister>,
+    /// The shared store, for the readiness probe.
+    pub redis: Option<RedisStore>,
 }
 
 impl State {
@@ -26,6 +28,7 @@ impl State {
             StateBackend::Memory => Ok(State {
                 governor: Arc::new(Governor::new(ledger)),
                 persister: None,
+                redis: None,
             }),
             StateBackend::Sqlite => {
                 let mut store = SqliteStore::open(std::path::Path::new(&cfg.path))?;
@@ -54,6 +57,7 @@ impl State {
                 Ok(State {
                     governor,
                     persister: Some(persister),
+                    redis: None,
                 })
             }
             StateBackend::Redis => {
@@ -65,8 +69,9 @@ impl State {
                     "state: counters shared through Redis"
                 );
                 Ok(State {
-                    governor: Arc::new(Governor::with_shared(ledger, Arc::new(store))),
+                    governor: Arc::new(Governor::with_shared(ledger, Arc::new(store.clone()))),
                     persister: None,
+                    redis: Some(store),
                 })
             }
         }

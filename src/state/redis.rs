@@ -148,6 +148,32 @@ impl RedisStore {
         self.inner.down.load(Ordering::Acquire)
     }
 
+    /// The readiness probe: one PING. In `deny` mode an unreachable Redis makes the replica
+    /// unready (it would refuse every request); in `local` mode it serves on its own ledger, so
+    /// it stays ready and only reports the outage. A failed PING marks the store down like a
+    /// failed reservation; a good one lets the next reservation reconnect at once.
+    pub async fn ready(&self) -> Result<(), String> {
+        let ping = async {
+            let mut c = self.inner.conn().await.map_err(|_| None)?;
+            redis::cmd("PING")
+                .query_async::<String>(&mut c)
+                .await
+                .map_err(Some)
+        };
+        match ping.await {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                if let Some(e) = &e {
+                    self.inner.failed(e);
+                }
+                match self.inner.on_unavailable {
+                    OnUnavailable::Deny => Err("redis (state.backend) does not answer".into()),
+                    OnUnavailable::Local => Ok(()),
+                }
+            }
+        }
+    }
+
     /// Reserves and returns the concrete hold (tests and benches settle it with `await`).
     pub async fn reserve_hold(
         &self,

@@ -186,6 +186,10 @@ fn record(entry: &Entry, overhead: bool) {
     let minute = now.div_euclid(60_000);
     let mut upstream_ms = 0i64;
     for a in &rec.attempts {
+        if a.attempt == 0 {
+            // Skipped without a call (saturated, untranslatable): not an upstream attempt.
+            continue;
+        }
         upstream_ms += a.latency_ms.max(0) + a.waited_ms.max(0);
         let failure = match a.outcome {
             "ok" | "not_retryable" => None,
