@@ -10,9 +10,9 @@
 //! OpenAI error event and marks the stream failed.
 
 use super::{
-    choice, completion_body, content_parts, content_text, join, openai_error, parse_arguments,
-    stop_sequences, tool_call, BuildCtx, ChunkWriter, Envelope, EventSplitter, NativeRequest,
-    NativeUsage, Part, Provider, StreamTranslator, Untranslatable,
+    choice, completion_body, content_parts, content_text, join, key_header, openai_error,
+    parse_arguments, push_turn, stop_sequences, tool_call, BuildCtx, ChunkWriter, Envelope,
+    EventSplitter, NativeRequest, NativeUsage, Part, Provider, StreamTranslator, Untranslatable,
 };
 use crate::estimate::Endpoint;
 use crate::policy::BackendKind;
@@ -43,23 +43,6 @@ fn usage_of(u: &Value) -> NativeUsage {
         cached: (cache_read > 0).then_some(cache_read),
         reasoning: None,
     }
-}
-
-/// Appends blocks to the last message when it has the same role (Anthropic wants turns to
-/// alternate; consecutive tool results belong in one user turn).
-fn push_turn(msgs: &mut Vec<Value>, role: &str, blocks: Vec<Value>) {
-    if blocks.is_empty() {
-        return;
-    }
-    if let Some(last) = msgs.last_mut() {
-        if last["role"] == role {
-            if let Some(arr) = last["content"].as_array_mut() {
-                arr.extend(blocks);
-                return;
-            }
-        }
-    }
-    msgs.push(json!({"role": role, "content": blocks}));
 }
 
 fn blocks_of(content: Option<&Value>) -> Result<Vec<Value>, Untranslatable> {
@@ -139,7 +122,7 @@ pub(crate) fn translate_request(c: &BuildCtx<'_>) -> Result<Value, Untranslatabl
             }
             "user" => {
                 let blocks = blocks_of(m.get("content"))?;
-                push_turn(&mut msgs, "user", blocks);
+                push_turn(&mut msgs, "user", "content", blocks);
             }
             "assistant" => {
                 let mut blocks = blocks_of(m.get("content"))?;
@@ -157,7 +140,7 @@ pub(crate) fn translate_request(c: &BuildCtx<'_>) -> Result<Value, Untranslatabl
                         "input": parse_arguments(f.and_then(|f| f.get("arguments")))?,
                     }));
                 }
-                push_turn(&mut msgs, "assistant", blocks);
+                push_turn(&mut msgs, "assistant", "content", blocks);
             }
             "tool" => {
                 let id = m
@@ -169,7 +152,7 @@ pub(crate) fn translate_request(c: &BuildCtx<'_>) -> Result<Value, Untranslatabl
                     "tool_use_id": id,
                     "content": content_text(m.get("content")),
                 });
-                push_turn(&mut msgs, "user", vec![block]);
+                push_turn(&mut msgs, "user", "content", vec![block]);
             }
             other => {
                 return Err(Untranslatable(format!(
@@ -251,10 +234,7 @@ impl Provider for Anthropic {
     }
 
     fn auth_headers(&self, key: &str) -> Result<Vec<(HeaderName, HeaderValue)>, String> {
-        let mut v = HeaderValue::from_str(key)
-            .map_err(|_| "the key is not a valid header value".to_string())?;
-        v.set_sensitive(true);
-        Ok(vec![(HeaderName::from_static("x-api-key"), v)])
+        key_header("x-api-key", key)
     }
 
     fn fixed_headers(&self) -> &'static [(&'static str, &'static str)] {

@@ -11,9 +11,10 @@
 //! per-day quota violation will not clear in minutes and is reported as a long outage.
 
 use super::{
-    choice, completion_body, content_parts, content_text, join, openai_error, parse_arguments,
-    stop_sequences, tool_call, BuildCtx, ChunkWriter, Envelope, ErrorHint, EventSplitter,
-    NativeRequest, NativeUsage, Part, Provider, StreamTranslator, Untranslatable,
+    choice, completion_body, content_parts, content_text, join, key_header, openai_error,
+    parse_arguments, push_turn, stop_sequences, tool_call, BuildCtx, ChunkWriter, Envelope,
+    ErrorHint, EventSplitter, NativeRequest, NativeUsage, Part, Provider, StreamTranslator,
+    Untranslatable,
 };
 use crate::estimate::Endpoint;
 use crate::policy::BackendKind;
@@ -49,21 +50,6 @@ fn usage_of(u: &Value) -> NativeUsage {
         cached: (cached > 0).then_some(cached),
         reasoning: (thoughts > 0).then_some(thoughts),
     }
-}
-
-fn push_turn(contents: &mut Vec<Value>, role: &str, parts: Vec<Value>) {
-    if parts.is_empty() {
-        return;
-    }
-    if let Some(last) = contents.last_mut() {
-        if last["role"] == role {
-            if let Some(arr) = last["parts"].as_array_mut() {
-                arr.extend(parts);
-                return;
-            }
-        }
-    }
-    contents.push(json!({"role": role, "parts": parts}));
 }
 
 fn parts_of(content: Option<&Value>) -> Result<Vec<Value>, Untranslatable> {
@@ -137,7 +123,7 @@ pub(crate) fn translate_request(c: &BuildCtx<'_>) -> Result<Value, Untranslatabl
                     system.push(json!({"text": t}));
                 }
             }
-            "user" => push_turn(&mut contents, "user", parts_of(m.get("content"))?),
+            "user" => push_turn(&mut contents, "user", "parts", parts_of(m.get("content"))?),
             "assistant" => {
                 let mut parts = parts_of(m.get("content"))?;
                 for tc in m
@@ -159,7 +145,7 @@ pub(crate) fn translate_request(c: &BuildCtx<'_>) -> Result<Value, Untranslatabl
                         "args": parse_arguments(f.and_then(|f| f.get("arguments")))?,
                     }}));
                 }
-                push_turn(&mut contents, "model", parts);
+                push_turn(&mut contents, "model", "parts", parts);
             }
             "tool" => {
                 let id = m.get("tool_call_id").and_then(Value::as_str).unwrap_or("");
@@ -180,6 +166,7 @@ pub(crate) fn translate_request(c: &BuildCtx<'_>) -> Result<Value, Untranslatabl
                 push_turn(
                     &mut contents,
                     "user",
+                    "parts",
                     vec![json!({"functionResponse": {"name": name, "response": response}})],
                 );
             }
@@ -387,10 +374,7 @@ impl Provider for Gemini {
     }
 
     fn auth_headers(&self, key: &str) -> Result<Vec<(HeaderName, HeaderValue)>, String> {
-        let mut v = HeaderValue::from_str(key)
-            .map_err(|_| "the key is not a valid header value".to_string())?;
-        v.set_sensitive(true);
-        Ok(vec![(HeaderName::from_static("x-goog-api-key"), v)])
+        key_header("x-goog-api-key", key)
     }
 
     fn request(&self, c: &BuildCtx<'_>) -> Result<NativeRequest, Untranslatable> {

@@ -415,6 +415,38 @@ pub(crate) fn error_type_for(status: u16) -> &'static str {
     }
 }
 
+/// Appends `items` to the last turn when it has the same role (Anthropic and Gemini want turns
+/// to alternate; consecutive tool results belong in one user turn). `field` is where a turn
+/// keeps its items: `content` (Anthropic blocks) or `parts` (Gemini).
+pub(crate) fn push_turn(turns: &mut Vec<Value>, role: &str, field: &str, items: Vec<Value>) {
+    if items.is_empty() {
+        return;
+    }
+    if let Some(last) = turns.last_mut() {
+        if last["role"] == role {
+            if let Some(arr) = last[field].as_array_mut() {
+                arr.extend(items);
+                return;
+            }
+        }
+    }
+    let mut turn = Map::new();
+    turn.insert("role".into(), Value::from(role));
+    turn.insert(field.into(), Value::Array(items));
+    turns.push(Value::Object(turn));
+}
+
+/// One auth header carrying a key, marked sensitive so it is never logged.
+pub(crate) fn key_header(
+    name: &'static str,
+    value: &str,
+) -> Result<Vec<(HeaderName, HeaderValue)>, String> {
+    let mut v = HeaderValue::from_str(value)
+        .map_err(|_| "the key is not a valid header value".to_string())?;
+    v.set_sensitive(true);
+    Ok(vec![(HeaderName::from_static(name), v)])
+}
+
 /// The `max_tokens`-style cap as JSON.
 pub(crate) fn cap(c: &BuildCtx<'_>) -> Value {
     Value::from(c.max_output_tokens)

@@ -2,7 +2,9 @@
 //! the client's body goes through with this attempt's model, output cap and stream options,
 //! serialized without copying the (possibly large) rest of it; answers pass through unchanged.
 
-use super::{join, BuildCtx, Envelope, NativeRequest, Provider, StreamTranslator, Untranslatable};
+use super::{
+    join, key_header, BuildCtx, Envelope, NativeRequest, Provider, StreamTranslator, Untranslatable,
+};
 use crate::estimate::Endpoint;
 use crate::policy::BackendKind;
 use bytes::Bytes;
@@ -68,10 +70,7 @@ impl Provider for OpenAi {
     }
 
     fn auth_headers(&self, key: &str) -> Result<Vec<(HeaderName, HeaderValue)>, String> {
-        let mut v = HeaderValue::from_str(&format!("Bearer {key}"))
-            .map_err(|_| "the key is not a valid header value".to_string())?;
-        v.set_sensitive(true);
-        Ok(vec![(http::header::AUTHORIZATION, v)])
+        key_header("authorization", &format!("Bearer {key}"))
     }
 
     fn request(&self, c: &BuildCtx<'_>) -> Result<NativeRequest, Untranslatable> {
