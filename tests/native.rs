@@ -534,3 +534,39 @@ async fn native_kinds_skip_endpoints_they_do_not_serve() {
     assert_eq!(claude.hits(), 0);
     sc.stop().await;
 }
+
+/// A 429 from Anthropic without Retry-After: the delay comes from the reset instant of the
+/// exhausted `anthropic-ratelimit-*` limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_rate_limit_reset_headers_give_the_delay() {
+    keys();
+    let reset = (jiff::Timestamp::now() + jiff::SignedDuration::from_secs(40)).to_string();
+    let claude = MockUpstream::start(vec![Answer::json(
+        429,
+        json!({"type": "error", "error": {"type": "rate_limit_error", "message": "Number of request tokens has exceeded your per-minute rate limit"}}),
+    )
+    .header("anthropic-ratelimit-tokens-remaining", "0")
+    .header("anthropic-ratelimit-tokens-reset", &reset)
+    .header("anthropic-ratelimit-requests-remaining", "99")])
+    .await;
+    let sc = Sidecar::start(&one_backend(
+        "anthropic",
+        &root(&claude),
+        Some(ANTHROPIC_KEY),
+        "",
+    ))
+    .await;
+    let (st, h, _) = post_json(&sc.chat_url(), &chat_body(false, false), &[]).await;
+    assert_eq!(st, 429, "a throttled backend defers");
+    let a = sc.audit(&rid(&h)).await;
+    let ms = a["attempts"][0]["retry_after_ms"]
+        .as_i64()
+        .expect("a delay");
+    assert!((35_000..=40_000).contains(&ms), "{ms}");
+    assert_eq!(
+        claude.hits(),
+        1,
+        "40 s is past max_retry_after: not waited out in-request"
+    );
+    sc.stop().await;
+}

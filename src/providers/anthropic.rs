@@ -254,6 +254,11 @@ impl Provider for Anthropic {
         })
     }
 
+    fn header_delay(&self, headers: &http::HeaderMap, now_ms: i64) -> Option<i64> {
+        super::retry_after::from_headers(headers, now_ms)
+            .or_else(|| super::retry_after::from_anthropic_ratelimit(headers, now_ms))
+    }
+
     fn response(&self, body: &[u8], env: &Envelope) -> Result<Option<Bytes>, String> {
         translate_response(body, env).map(Some)
     }

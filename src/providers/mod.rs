@@ -117,6 +117,12 @@ pub trait Provider: Sync {
     /// A translator for a successful stream; `None` when the stream is already OpenAI SSE.
     fn stream(&self, env: Envelope) -> Option<Box<dyn StreamTranslator>>;
 
+    /// The delay an error response's headers state: `retry-after-ms`, then `retry-after`
+    /// (seconds or a date), then the provider's own rate-limit headers.
+    fn header_delay(&self, headers: &http::HeaderMap, now_ms: i64) -> Option<i64> {
+        retry_after::from_headers(headers, now_ms)
+    }
+
     /// What an error body says beyond the headers: a delay (Gemini's `RetryInfo`) and whether
     /// the backend is out for a long time (a per-day quota), which opens its circuit at once.
     fn error_hint(&self, status: u16, body: &[u8], now_ms: i64) -> ErrorHint {

@@ -96,6 +96,12 @@ impl Provider for OpenAi {
         })
     }
 
+    fn header_delay(&self, headers: &http::HeaderMap, now_ms: i64) -> Option<i64> {
+        super::retry_after::from_headers(headers, now_ms)
+            .or_else(|| super::retry_after::from_azure_header(headers))
+            .or_else(|| super::retry_after::from_openai_ratelimit(headers))
+    }
+
     fn response(&self, _body: &[u8], _env: &Envelope) -> Result<Option<Bytes>, String> {
         Ok(None)
     }

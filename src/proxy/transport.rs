@@ -8,7 +8,7 @@ use crate::estimate::Endpoint;
 use crate::governor::{CallResult, CallSpec, Failure, FailureClass, Skip, Upstream};
 use crate::policy::{Backend, BackendKind};
 use crate::providers::{
-    self, retry_after, BuildCtx, Envelope, ErrorHint, Provider, StreamTranslator, Untranslatable,
+    self, BuildCtx, Envelope, ErrorHint, Provider, StreamTranslator, Untranslatable,
 };
 use bytes::Bytes;
 use dashmap::DashMap;
@@ -290,7 +290,7 @@ impl Call<'_> {
         let status = parts.status;
         let mut headers = parts.headers;
         let now_ms = jiff::Timestamp::now().as_millisecond();
-        let header_delay = retry_after::from_headers(&headers, now_ms);
+        let header_delay = provider.header_delay(&headers, now_ms);
         let class = match status.as_u16() {
             200..=299 => None,
             429 => Some(FailureClass::Throttled),
