@@ -570,3 +570,57 @@ async fn anthropic_rate_limit_reset_headers_give_the_delay() {
     );
     sc.stop().await;
 }
+
+/// A stream holds its backend's in-flight slot until it ends, and gives it back when it does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_holds_its_in_flight_slot_until_it_ends() {
+    keys();
+    let ollama = MockUpstream::start(vec![Answer::sse(
+        vec![
+            "{\"message\":{\"role\":\"assistant\",\"content\":\"a\"},\"done\":false}\n".into(),
+            "{\"message\":{\"role\":\"assistant\",\"content\":\"b\"},\"done\":false}\n".into(),
+            "{\"message\":{\"role\":\"assistant\",\"content\":\"\"},\"done\":true,\"done_reason\":\"stop\",\"prompt_eval_count\":5,\"eval_count\":2}\n".into(),
+        ],
+        Duration::from_millis(300),
+    )])
+    .await;
+    let gemini = MockUpstream::start_with_default(vec![], gemini_response("cloud", 5, 2, 0)).await;
+    let claude = MockUpstream::start(vec![]).await;
+    let sc = Sidecar::start(&adr_chain(
+        &root(&ollama),
+        &format!("{}/v1beta", root(&gemini)),
+        &root(&claude),
+        ", max_in_flight: 1",
+    ))
+    .await;
+    let url = sc.chat_url();
+    let streaming = tokio::spawn({
+        let url = url.clone();
+        async move { post_json_frames(&url, &chat_body(true, false), &[]).await }
+    });
+    let t0 = std::time::Instant::now();
+    while ollama.hits() == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        sc.running.app.transport.in_flight("ollama"),
+        1,
+        "held mid-stream"
+    );
+    let (_, _, b) = post_json(&url, &chat_body(false, false), &[]).await;
+    assert_eq!(
+        json(&b)["choices"][0]["message"]["content"],
+        "cloud",
+        "spilled over"
+    );
+    let s = streaming.await.unwrap();
+    assert_eq!(text_of(&chunks(&s.sse_data())), "ab");
+    let t1 = std::time::Instant::now();
+    while sc.running.app.transport.in_flight("ollama") != 0 {
+        assert!(t1.elapsed() < Duration::from_secs(2), "slot not given back");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    sc.stop().await;
+}
