@@ -29,6 +29,7 @@ fn env() -> Envelope {
         id: "chatcmpl-bench".into(),
         model: "m".into(),
         created: 1,
+        endpoint: Endpoint::Chat,
     }
 }
 

@@ -624,3 +624,33 @@ async fn a_stream_holds_its_in_flight_slot_until_it_ends() {
     }
     sc.stop().await;
 }
+
+/// Embeddings on a local Ollama through its own `/api/embed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ollama_serves_embeddings_natively() {
+    let up = MockUpstream::start(vec![Answer::json(
+        200,
+        json!({"model": "nomic-embed-text", "embeddings": [[0.5, -0.25, 1.0]], "prompt_eval_count": 4}),
+    )])
+    .await;
+    let sc = Sidecar::start(&one_backend("ollama", &root(&up), None, "")).await;
+    let (st, h, b) = post_json(
+        &format!("{}/embeddings", sc.base),
+        &json!({"model": "chat", "input": "hello world"}),
+        &[],
+    )
+    .await;
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&b));
+    let v = json(&b);
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["embedding"], json!([0.5, -0.25, 1.0]));
+    assert_eq!(v["usage"]["prompt_tokens"], 4);
+    let req = &up.requests()[0];
+    assert_eq!(req.path, "/api/embed");
+    assert_eq!(req.json.as_ref().unwrap()["input"], "hello world");
+    let a = sc.audit(&rid(&h)).await;
+    assert_eq!(a["usage_evidence_state"], "ACTUAL");
+    assert_eq!(a["actual_input_tokens"], 4);
+    assert_eq!(a["actual_output_tokens"], 0);
+    sc.stop().await;
+}

@@ -69,6 +69,8 @@ pub struct Envelope {
     pub model: String,
     /// Unix seconds.
     pub created: i64,
+    /// What the client asked for (the shape of the answer).
+    pub endpoint: Endpoint,
 }
 
 /// Turns a native stream into OpenAI `chat.completion.chunk` SSE events, frame by frame.

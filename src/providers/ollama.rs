@@ -179,13 +179,60 @@ pub(crate) fn translate_response(body: &[u8], env: &Envelope) -> Result<Bytes, S
     ))
 }
 
+/// OpenAI `/v1/embeddings` → Ollama `/api/embed` (`input`: a string or strings).
+pub(crate) fn translate_embed_request(c: &BuildCtx<'_>) -> Result<Value, Untranslatable> {
+    let input = match c.body.get("input") {
+        Some(v @ Value::String(_)) => v.clone(),
+        Some(Value::Array(a)) if a.iter().all(Value::is_string) => Value::Array(a.clone()),
+        _ => {
+            return Err(Untranslatable(
+                "ollama embeds text only (input as a string or an array of strings)".into(),
+            ))
+        }
+    };
+    let mut out = Map::new();
+    out.insert("model".into(), Value::from(c.model));
+    out.insert("input".into(), input);
+    if let Some(d) = c.body.get("dimensions") {
+        out.insert("dimensions".into(), d.clone());
+    }
+    Ok(Value::Object(out))
+}
+
+/// `{"embeddings": [[..]], "prompt_eval_count": N}` → OpenAI's embedding list.
+pub(crate) fn translate_embed_response(body: &[u8], env: &Envelope) -> Result<Bytes, String> {
+    let v: Value =
+        serde_json::from_slice(body).map_err(|e| format!("not an Ollama embed response: {e}"))?;
+    let data: Vec<Value> = v
+        .get("embeddings")
+        .and_then(Value::as_array)
+        .ok_or("an Ollama embed response without embeddings")?
+        .iter()
+        .enumerate()
+        .map(|(i, e)| json!({"object": "embedding", "index": i, "embedding": e}))
+        .collect();
+    let prompt = v
+        .get("prompt_eval_count")
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    Ok(Bytes::from(
+        json!({
+            "object": "list",
+            "data": data,
+            "model": env.model,
+            "usage": {"prompt_tokens": prompt, "total_tokens": prompt},
+        })
+        .to_string(),
+    ))
+}
+
 impl Provider for Ollama {
     fn kind(&self) -> BackendKind {
         BackendKind::Ollama
     }
 
     fn supports(&self, endpoint: Endpoint) -> bool {
-        endpoint == Endpoint::Chat
+        matches!(endpoint, Endpoint::Chat | Endpoint::Embeddings)
     }
 
     fn auth_headers(&self, key: &str) -> Result<Vec<(HeaderName, HeaderValue)>, String> {
@@ -194,8 +241,20 @@ impl Provider for Ollama {
     }
 
     fn request(&self, c: &BuildCtx<'_>) -> Result<NativeRequest, Untranslatable> {
-        if c.endpoint != Endpoint::Chat {
-            return Err(Untranslatable("ollama's /api/chat serves chat only".into()));
+        match c.endpoint {
+            Endpoint::Chat => {}
+            Endpoint::Embeddings => {
+                return Ok(NativeRequest {
+                    url: join(c.base_url, "/api/embed"),
+                    body: serde_json::to_vec(&translate_embed_request(c)?)
+                        .map_err(|e| Untranslatable(e.to_string()))?,
+                })
+            }
+            Endpoint::Completions => {
+                return Err(Untranslatable(
+                    "ollama's native API serves chat and embeddings; use kind: openai for /v1/completions".into(),
+                ))
+            }
         }
         let v = translate_request(c)?;
         Ok(NativeRequest {
@@ -205,7 +264,10 @@ impl Provider for Ollama {
     }
 
     fn response(&self, body: &[u8], env: &Envelope) -> Result<Option<Bytes>, String> {
-        translate_response(body, env).map(Some)
+        match env.endpoint {
+            Endpoint::Embeddings => translate_embed_response(body, env).map(Some),
+            _ => translate_response(body, env).map(Some),
+        }
     }
 
     fn stream(&self, env: Envelope) -> Option<Box<dyn StreamTranslator>> {

@@ -23,6 +23,7 @@ fn env() -> Envelope {
         id: "chatcmpl-r1".into(),
         model: "native-model".into(),
         created: 7,
+        endpoint: Endpoint::Chat,
     }
 }
 
@@ -551,4 +552,42 @@ fn data_uris_parse() {
     assert_eq!(parse_data_uri(PNG), Some(("image/png", "iVBORw0KGgo=")));
     assert_eq!(parse_data_uri("https://x/y.png"), None);
     assert_eq!(parse_data_uri("data:text/plain,hello"), None);
+}
+
+#[test]
+fn ollama_embeddings_translate_both_ways() {
+    let body = obj(json!({"model": "embed", "input": ["alpha", "beta"], "dimensions": 3}));
+    let mut c = ctx(&body, false);
+    c.endpoint = Endpoint::Embeddings;
+    let r = ollama::Ollama.request(&c).unwrap();
+    assert_eq!(r.url, "http://up/api/embed");
+    let v: Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(
+        v,
+        json!({"model": "native-model", "input": ["alpha", "beta"], "dimensions": 3})
+    );
+
+    let tokens = obj(json!({"model": "embed", "input": [[1, 2, 3]]}));
+    let mut c = ctx(&tokens, false);
+    c.endpoint = Endpoint::Embeddings;
+    assert!(
+        ollama::Ollama.request(&c).is_err(),
+        "token arrays are not text"
+    );
+
+    let native =
+        json!({"model": "nomic", "embeddings": [[0.1, 0.2], [0.3, 0.4]], "prompt_eval_count": 6});
+    let mut e = env();
+    e.endpoint = Endpoint::Embeddings;
+    let out = ollama::Ollama
+        .response(native.to_string().as_bytes(), &e)
+        .unwrap()
+        .unwrap();
+    let v: Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(v["object"], "list");
+    assert_eq!(
+        v["data"][1],
+        json!({"object": "embedding", "index": 1, "embedding": [0.3, 0.4]})
+    );
+    assert_eq!(v["usage"], json!({"prompt_tokens": 6, "total_tokens": 6}));
 }

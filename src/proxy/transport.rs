@@ -221,6 +221,7 @@ impl Call<'_> {
             id: format!("chatcmpl-{}", self.request_id),
             model: spec.model.to_string(),
             created: jiff::Timestamp::now().as_second(),
+            endpoint: self.endpoint,
         }
     }
 
