@@ -12,10 +12,10 @@
 use super::{
     choice, completion_body, content_parts, content_text, join, key_header, openai_error,
     parse_arguments, push_turn, stop_sequences, tool_call, BuildCtx, ChunkWriter, Envelope,
-    EventSplitter, NativeRequest, NativeUsage, Part, Provider, StreamTranslator, Untranslatable,
+    EventSplitter, NativeEvents, NativeRequest, NativeUsage, Part, Provider, Split,
+    StreamTranslator, Untranslatable,
 };
 use crate::estimate::Endpoint;
-use crate::policy::BackendKind;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use serde_json::{json, Map, Value};
@@ -225,10 +225,6 @@ pub(crate) fn translate_response(body: &[u8], env: &Envelope) -> Result<Bytes, S
 }
 
 impl Provider for Anthropic {
-    fn kind(&self) -> BackendKind {
-        BackendKind::Anthropic
-    }
-
     fn supports(&self, endpoint: Endpoint) -> bool {
         endpoint == Endpoint::Chat
     }
@@ -264,16 +260,15 @@ impl Provider for Anthropic {
     }
 
     fn stream(&self, env: Envelope) -> Option<Box<dyn StreamTranslator>> {
-        Some(Box::new(MessagesStream::new(env)))
+        Some(Split::<EventSplitter, _>::boxed(MessagesStream::new(env)))
     }
 
-    fn error_body(&self, status: u16, body: &[u8]) -> Option<Bytes> {
+    fn error_body(&self, _status: u16, body: &[u8]) -> Option<Bytes> {
         // {"type":"error","error":{"type":"invalid_request_error","message":"..."}}
         let v: Value = serde_json::from_slice(body).ok()?;
         let e = v.get("error")?;
         let kind = e.get("type").and_then(Value::as_str).unwrap_or("api_error");
         let msg = e.get("message").and_then(Value::as_str).unwrap_or("");
-        let _ = status;
         Some(openai_error(msg, kind, Some(kind)))
     }
 }
@@ -281,7 +276,6 @@ impl Provider for Anthropic {
 /// Anthropic's SSE events → OpenAI chunks.
 pub struct MessagesStream {
     w: ChunkWriter,
-    split: EventSplitter,
     /// Usage from `message_start`, updated by each `message_delta` (cumulative).
     usage: Option<NativeUsage>,
     /// Content block index → tool call index (in the order tool blocks start).
@@ -294,7 +288,6 @@ impl MessagesStream {
     pub fn new(env: Envelope) -> Self {
         MessagesStream {
             w: ChunkWriter::new(env),
-            split: EventSplitter::default(),
             usage: None,
             tool_index: Vec::new(),
             completed: false,
@@ -309,7 +302,7 @@ impl MessagesStream {
             .map(|(_, t)| *t)
     }
 
-    fn on_event(&mut self, data: &[u8], out: &mut Vec<u8>) {
+    fn event(&mut self, data: &[u8], out: &mut Vec<u8>) {
         if self.completed || self.failed {
             return;
         }
@@ -415,17 +408,9 @@ impl MessagesStream {
     }
 }
 
-impl StreamTranslator for MessagesStream {
-    fn feed(&mut self, data: &[u8], out: &mut Vec<u8>) {
-        let mut split = std::mem::take(&mut self.split);
-        split.feed(data, |d| self.on_event(d, out));
-        self.split = split;
-    }
-
-    fn finish(&mut self, out: &mut Vec<u8>) {
-        let mut split = std::mem::take(&mut self.split);
-        split.finish(|d| self.on_event(d, out));
-        self.split = split;
+impl NativeEvents for MessagesStream {
+    fn on_event(&mut self, data: &[u8], out: &mut Vec<u8>) {
+        self.event(data, out);
     }
 
     fn failed(&self) -> bool {

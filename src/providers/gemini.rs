@@ -16,8 +16,8 @@ use super::{
     ErrorHint, EventSplitter, NativeRequest, NativeUsage, Part, Provider, StreamTranslator,
     Untranslatable,
 };
+use super::{NativeEvents, Split};
 use crate::estimate::Endpoint;
-use crate::policy::BackendKind;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use serde_json::{json, Map, Value};
@@ -365,10 +365,6 @@ fn until_quota_reset(now_ms: i64) -> i64 {
 }
 
 impl Provider for Gemini {
-    fn kind(&self) -> BackendKind {
-        BackendKind::Gemini
-    }
-
     fn supports(&self, endpoint: Endpoint) -> bool {
         endpoint == Endpoint::Chat
     }
@@ -399,7 +395,7 @@ impl Provider for Gemini {
     }
 
     fn stream(&self, env: Envelope) -> Option<Box<dyn StreamTranslator>> {
-        Some(Box::new(GenerateStream::new(env)))
+        Some(Split::<EventSplitter, _>::boxed(GenerateStream::new(env)))
     }
 
     fn error_body(&self, status: u16, body: &[u8]) -> Option<Bytes> {
@@ -415,7 +411,6 @@ impl Provider for Gemini {
 /// Gemini's SSE responses → OpenAI chunks.
 pub struct GenerateStream {
     w: ChunkWriter,
-    split: EventSplitter,
     usage: Option<NativeUsage>,
     /// Some candidate reported its finish reason (or the prompt was blocked).
     finished: bool,
@@ -428,7 +423,6 @@ impl GenerateStream {
     pub fn new(env: Envelope) -> Self {
         GenerateStream {
             w: ChunkWriter::new(env),
-            split: EventSplitter::default(),
             usage: None,
             finished: false,
             failed: false,
@@ -436,7 +430,7 @@ impl GenerateStream {
         }
     }
 
-    fn on_event(&mut self, data: &[u8], out: &mut Vec<u8>) {
+    fn event(&mut self, data: &[u8], out: &mut Vec<u8>) {
         if self.failed {
             return;
         }
@@ -496,18 +490,13 @@ impl GenerateStream {
     }
 }
 
-impl StreamTranslator for GenerateStream {
-    fn feed(&mut self, data: &[u8], out: &mut Vec<u8>) {
-        let mut split = std::mem::take(&mut self.split);
-        split.feed(data, |d| self.on_event(d, out));
-        self.split = split;
+impl NativeEvents for GenerateStream {
+    fn on_event(&mut self, data: &[u8], out: &mut Vec<u8>) {
+        self.event(data, out);
     }
 
-    fn finish(&mut self, out: &mut Vec<u8>) {
-        let mut split = std::mem::take(&mut self.split);
-        split.finish(|d| self.on_event(d, out));
-        self.split = split;
-        // Gemini sends no end marker: the stream is complete when a finish reason came.
+    /// Gemini sends no end marker: the stream is complete when a finish reason came.
+    fn on_end(&mut self, out: &mut Vec<u8>) {
         if self.finished && !self.failed {
             self.w.end(out, self.usage);
         }

@@ -22,7 +22,7 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use serde_json::{json, Map, Value};
 
-pub use sse::{EventSplitter, LineSplitter};
+pub use sse::{EventSplitter, LineSplitter, NativeEvents, Split, Splitter};
 
 /// What an adapter needs to build one attempt's upstream request.
 #[derive(Debug, Clone, Copy)]
@@ -97,7 +97,11 @@ pub struct ErrorHint {
 
 /// One provider's wire format.
 pub trait Provider: Sync {
-    fn kind(&self) -> BackendKind;
+    /// Whether answers come back in another shape (`response` and `stream` translate).
+    /// The OpenAI adapter says no, so the transport skips building an envelope.
+    fn translates_answers(&self) -> bool {
+        true
+    }
 
     /// Whether this provider can serve the endpoint at all.
     fn supports(&self, endpoint: Endpoint) -> bool;

@@ -8,11 +8,10 @@
 
 use super::{
     choice, completion_body, content_parts, join, openai_error, parse_arguments, stop_sequences,
-    tool_call, BuildCtx, ChunkWriter, Envelope, LineSplitter, NativeRequest, NativeUsage, Part,
-    Provider, StreamTranslator, Untranslatable,
+    tool_call, BuildCtx, ChunkWriter, Envelope, LineSplitter, NativeEvents, NativeRequest,
+    NativeUsage, Part, Provider, Split, StreamTranslator, Untranslatable,
 };
 use crate::estimate::Endpoint;
-use crate::policy::BackendKind;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use serde_json::{json, Map, Value};
@@ -227,10 +226,6 @@ pub(crate) fn translate_embed_response(body: &[u8], env: &Envelope) -> Result<By
 }
 
 impl Provider for Ollama {
-    fn kind(&self) -> BackendKind {
-        BackendKind::Ollama
-    }
-
     fn supports(&self, endpoint: Endpoint) -> bool {
         matches!(endpoint, Endpoint::Chat | Endpoint::Embeddings)
     }
@@ -271,7 +266,7 @@ impl Provider for Ollama {
     }
 
     fn stream(&self, env: Envelope) -> Option<Box<dyn StreamTranslator>> {
-        Some(Box::new(ChatStream::new(env)))
+        Some(Split::<LineSplitter, _>::boxed(ChatStream::new(env)))
     }
 
     fn error_body(&self, status: u16, body: &[u8]) -> Option<Bytes> {
@@ -286,7 +281,6 @@ impl Provider for Ollama {
 /// Ollama's NDJSON lines → OpenAI chunks.
 pub struct ChatStream {
     w: ChunkWriter,
-    lines: LineSplitter,
     tool_calls: usize,
     done: bool,
     failed: bool,
@@ -296,7 +290,6 @@ impl ChatStream {
     pub fn new(env: Envelope) -> Self {
         ChatStream {
             w: ChunkWriter::new(env),
-            lines: LineSplitter::default(),
             tool_calls: 0,
             done: false,
             failed: false,
@@ -339,17 +332,9 @@ impl ChatStream {
     }
 }
 
-impl StreamTranslator for ChatStream {
-    fn feed(&mut self, data: &[u8], out: &mut Vec<u8>) {
-        let mut lines = std::mem::take(&mut self.lines);
-        lines.feed(data, |l| self.on_line(l, out));
-        self.lines = lines;
-    }
-
-    fn finish(&mut self, out: &mut Vec<u8>) {
-        let mut lines = std::mem::take(&mut self.lines);
-        lines.finish(|l| self.on_line(l, out));
-        self.lines = lines;
+impl NativeEvents for ChatStream {
+    fn on_event(&mut self, line: &[u8], out: &mut Vec<u8>) {
+        self.on_line(line, out);
     }
 
     fn failed(&self) -> bool {

@@ -6,7 +6,6 @@ use super::{
     join, key_header, BuildCtx, Envelope, NativeRequest, Provider, StreamTranslator, Untranslatable,
 };
 use crate::estimate::Endpoint;
-use crate::policy::BackendKind;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use serde::ser::{Serialize, SerializeMap, Serializer};
@@ -61,8 +60,8 @@ fn path_of(e: Endpoint) -> &'static str {
 }
 
 impl Provider for OpenAi {
-    fn kind(&self) -> BackendKind {
-        BackendKind::Openai
+    fn translates_answers(&self) -> bool {
+        false
     }
 
     fn supports(&self, _endpoint: Endpoint) -> bool {

@@ -1,5 +1,57 @@
 //! Incremental splitting of native streams: lines (NDJSON) and SSE events, with input split
-//! anywhere across body frames.
+//! anywhere across body frames; and [`Split`], which drives a provider's per-unit translation
+//! over a splitter as a [`StreamTranslator`].
+
+use super::StreamTranslator;
+
+/// Cuts a byte stream into units (lines, SSE event data).
+pub trait Splitter: Default + Send + Sync {
+    /// Appends `data` and calls `f` with every unit it completes.
+    fn feed(&mut self, data: &[u8], f: impl FnMut(&[u8]));
+    /// Calls `f` with a last unit that lacked its terminator.
+    fn finish(&mut self, f: impl FnMut(&[u8]));
+}
+
+/// A provider's translation of one native unit (an SSE event's data, an NDJSON line).
+pub trait NativeEvents: Send + Sync {
+    fn on_event(&mut self, data: &[u8], out: &mut Vec<u8>);
+    /// The native stream ended cleanly, after its last unit.
+    fn on_end(&mut self, _out: &mut Vec<u8>) {}
+    fn failed(&self) -> bool;
+}
+
+/// A [`StreamTranslator`] made of a splitter and a provider's per-unit translation.
+#[derive(Debug, Default)]
+pub struct Split<S, E> {
+    split: S,
+    events: E,
+}
+
+impl<S: Splitter + 'static, E: NativeEvents + 'static> Split<S, E> {
+    pub fn boxed(events: E) -> Box<dyn StreamTranslator> {
+        Box::new(Split {
+            split: S::default(),
+            events,
+        })
+    }
+}
+
+impl<S: Splitter, E: NativeEvents> StreamTranslator for Split<S, E> {
+    fn feed(&mut self, data: &[u8], out: &mut Vec<u8>) {
+        let events = &mut self.events;
+        self.split.feed(data, |d| events.on_event(d, out));
+    }
+
+    fn finish(&mut self, out: &mut Vec<u8>) {
+        let events = &mut self.events;
+        self.split.finish(|d| events.on_event(d, out));
+        self.events.on_end(out);
+    }
+
+    fn failed(&self) -> bool {
+        self.events.failed()
+    }
+}
 
 /// Yields complete lines (without `\n` / `\r\n`) from bytes split anywhere.
 #[derive(Debug, Default)]
@@ -7,9 +59,9 @@ pub struct LineSplitter {
     buf: Vec<u8>,
 }
 
-impl LineSplitter {
+impl Splitter for LineSplitter {
     /// Appends `data` and calls `f` with every line completed by it.
-    pub fn feed(&mut self, data: &[u8], mut f: impl FnMut(&[u8])) {
+    fn feed(&mut self, data: &[u8], mut f: impl FnMut(&[u8])) {
         let mut start = 0;
         for (i, &b) in data.iter().enumerate() {
             if b == b'\n' {
@@ -27,7 +79,7 @@ impl LineSplitter {
     }
 
     /// The last line, when the stream ended without a newline.
-    pub fn finish(&mut self, mut f: impl FnMut(&[u8])) {
+    fn finish(&mut self, mut f: impl FnMut(&[u8])) {
         if !self.buf.is_empty() {
             let line = std::mem::take(&mut self.buf);
             f(trim_cr(&line));
@@ -48,8 +100,8 @@ pub struct EventSplitter {
     has_data: bool,
 }
 
-impl EventSplitter {
-    pub fn feed(&mut self, bytes: &[u8], mut f: impl FnMut(&[u8])) {
+impl Splitter for EventSplitter {
+    fn feed(&mut self, bytes: &[u8], mut f: impl FnMut(&[u8])) {
         let Self {
             lines,
             data,
@@ -59,7 +111,7 @@ impl EventSplitter {
     }
 
     /// Dispatches a last event that lacked its blank line.
-    pub fn finish(&mut self, mut f: impl FnMut(&[u8])) {
+    fn finish(&mut self, mut f: impl FnMut(&[u8])) {
         let Self {
             lines,
             data,

@@ -147,15 +147,19 @@ impl Metered {
         }
     }
 
+    /// Ends the stream: settles once and sends `before`, what the meter still holds, and an
+    /// error event, as one last frame.
     fn finish_with(
         &mut self,
         end: End,
+        before: Bytes,
         event: Option<Bytes>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let rest = self.meter.flush();
         self.settle(end);
         self.ended = true;
-        let mut out = rest.to_vec();
+        let mut out = before.to_vec();
+        out.extend_from_slice(&rest);
         if let Some(e) = event {
             out.extend_from_slice(&e);
         }
@@ -188,43 +192,32 @@ impl HttpBody for Metered {
                     "the upstream stream exceeded its total timeout",
                     "upstream_timeout",
                 );
-                return this.finish_with(End::Timeout, Some(ev));
+                return this.finish_with(End::Timeout, Bytes::new(), Some(ev));
             }
             match Pin::new(&mut this.inner).poll_frame(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(None) => {
-                    let Some(tr) = this.translate.as_mut() else {
-                        return this.finish_with(End::Complete, None);
-                    };
-                    let mut out = Vec::new();
-                    tr.finish(&mut out);
-                    let end = if tr.failed() {
-                        End::UpstreamError
-                    } else {
-                        End::Complete
-                    };
-                    let sent = this.meter.feed(&Bytes::from(out));
-                    if !sent.is_empty() {
-                        this.last = Some(sent);
-                    }
-                    let rest = this.finish_with(end, None);
-                    return match (this.last.take(), rest) {
-                        (Some(b), Poll::Ready(Some(Ok(f)))) => {
-                            let mut all = b.to_vec();
-                            if let Ok(d) = f.into_data() {
-                                all.extend_from_slice(&d);
-                            }
-                            Poll::Ready(Some(Ok(Frame::data(Bytes::from(all)))))
+                    // A translated stream may still owe its closing chunks (usage, [DONE]).
+                    let (before, end) = match this.translate.as_mut() {
+                        None => (Bytes::new(), End::Complete),
+                        Some(tr) => {
+                            let mut out = Vec::new();
+                            tr.finish(&mut out);
+                            let end = if tr.failed() {
+                                End::UpstreamError
+                            } else {
+                                End::Complete
+                            };
+                            (this.meter.feed(&Bytes::from(out)), end)
                         }
-                        (Some(b), _) => Poll::Ready(Some(Ok(Frame::data(b)))),
-                        (None, rest) => rest,
                     };
+                    return this.finish_with(end, before, None);
                 }
                 Poll::Ready(Some(Err(e))) => {
                     tracing::warn!(error = %e, "upstream stream broke");
                     let ev =
                         error_event("the upstream stream ended with an error", "upstream_error");
-                    return this.finish_with(End::UpstreamError, Some(ev));
+                    return this.finish_with(End::UpstreamError, Bytes::new(), Some(ev));
                 }
                 Poll::Ready(Some(Ok(frame))) => {
                     let Ok(data) = frame.into_data() else {
@@ -242,13 +235,7 @@ impl HttpBody for Metered {
                     if native_error {
                         // The provider reported an error inside its stream; its OpenAI error
                         // event is in `out`. End here: partial usage, a circuit failure.
-                        let _ = this.meter.flush();
-                        this.settle(End::UpstreamError);
-                        this.ended = true;
-                        if out.is_empty() {
-                            continue;
-                        }
-                        return Poll::Ready(Some(Ok(Frame::data(out))));
+                        return this.finish_with(End::UpstreamError, out, None);
                     }
                     let bound = this
                         .tail

@@ -6,7 +6,7 @@ use super::respond::is_hop_by_hop;
 use super::snapshot::Snapshot;
 use crate::estimate::Endpoint;
 use crate::governor::{CallResult, CallSpec, Failure, FailureClass, Skip, Upstream};
-use crate::policy::{Backend, BackendKind};
+use crate::policy::Backend;
 use crate::providers::{
     self, BuildCtx, Envelope, ErrorHint, Provider, StreamTranslator, Untranslatable,
 };
@@ -128,14 +128,6 @@ impl Transport {
             .entry(backend.id.clone())
             .or_insert_with(|| Arc::new(AtomicU32::new(0)))
             .clone()
-    }
-
-    /// Whether the backend has room for one more call now (no limit: always).
-    pub fn has_room(&self, backend: &Backend) -> bool {
-        match backend.max_in_flight {
-            None => true,
-            Some(max) => self.in_flight_cell(backend).load(Ordering::Acquire) < max,
-        }
     }
 
     /// Takes a slot if the backend has room; `Ok(None)` when it has no limit.
@@ -343,8 +335,8 @@ impl Call<'_> {
                 long_outage: hint.long_outage,
             });
         }
-        // OpenAI-compatible answers pass as they are: no envelope to build.
-        let native = backend.kind != BackendKind::Openai;
+        // Answers already in the OpenAI shape pass as they are: no envelope to build.
+        let native = provider.translates_answers();
         if self.stream {
             let translate = if native {
                 provider.stream(self.envelope(&spec))
