@@ -120,6 +120,17 @@ impl Audit {
     }
 }
 
+/// Shutting down with the log's database away: takes what is still queued into `batch` and
+/// spills it all to `path` instead of hanging (the next start loads the file).
+fn spill_at_shutdown(rx: &mut mpsc::Receiver<Entry>, batch: &mut Vec<UsageRow>, path: &Path) {
+    while let Ok(e) = rx.try_recv() {
+        batch.push(row::usage_row(&e));
+    }
+    if !spill(path, batch) {
+        tracing::error!(rows = batch.len(), "usage log: rows lost at shutdown");
+    }
+}
+
 /// Appends usage rows that could not reach their database to `path` as JSON lines, synced;
 /// `false` when that failed too (the caller keeps the rows).
 fn spill(path: &Path, rows: &[UsageRow]) -> bool {

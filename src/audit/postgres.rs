@@ -12,7 +12,9 @@
 //! rounds, then spills what it holds; the next start loads it.
 
 use super::row::{usage_row, UsageRow, COLUMNS};
-use super::{spill, Audit, AuditError, AuditWriter, Entry, BATCH_PAUSE, MAX_BATCH};
+use super::{
+    spill, spill_at_shutdown, Audit, AuditError, AuditWriter, Entry, BATCH_PAUSE, MAX_BATCH,
+};
 use std::path::PathBuf;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -291,14 +293,7 @@ async fn run(
             if rx.is_closed() {
                 failed_after_close += 1;
                 if failed_after_close >= SHUTDOWN_TRIES {
-                    // Shutting down with the database away: spill instead of hanging; the
-                    // next start loads the file.
-                    while let Ok(e) = rx.try_recv() {
-                        batch.push(usage_row(&e));
-                    }
-                    if !spill(&spill_path, &batch) {
-                        tracing::error!(rows = batch.len(), "usage log: rows lost at shutdown");
-                    }
+                    spill_at_shutdown(&mut rx, &mut batch, &spill_path);
                     return;
                 }
             }

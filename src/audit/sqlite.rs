@@ -3,7 +3,7 @@
 //! never block the counters' readers; a busy timeout rides out the other writer's commits.
 
 use super::row::{usage_row, UsageRow, COLUMNS};
-use super::{spill, Audit, AuditWriter, Entry, BATCH_PAUSE, MAX_BATCH};
+use super::{spill_at_shutdown, Audit, AuditWriter, Entry, BATCH_PAUSE, MAX_BATCH};
 use rusqlite::{params, Connection};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -140,12 +140,7 @@ impl Audit {
                         if rx.is_closed() {
                             failed_after_close += 1;
                             if failed_after_close >= SHUTDOWN_TRIES {
-                                while let Ok(e) = rx.try_recv() {
-                                    batch.push(usage_row(&e));
-                                }
-                                if !spill(&spill_path, &batch) {
-                                    tracing::error!(rows = batch.len(), "usage log: rows lost at shutdown");
-                                }
+                                spill_at_shutdown(&mut rx, &mut batch, &spill_path);
                                 return;
                             }
                         }
