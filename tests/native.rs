@@ -313,12 +313,17 @@ retry:
     )
 }
 
-/// A local port with nothing listening.
-fn dead_port() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let a = l.local_addr().unwrap();
-    drop(l);
-    format!("http://{a}")
+/// Waits (bounded) until the mock has received a request; returns when the wait started.
+async fn until_called(up: &MockUpstream) -> std::time::Instant {
+    let t0 = std::time::Instant::now();
+    while up.hits() == 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the upstream was never called"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    t0
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -328,7 +333,7 @@ async fn adr_chain_fails_over_across_kinds() {
     let claude =
         MockUpstream::start(vec![anthropic_message("Claude answers.", (40, 8, 0, 0))]).await;
     let sc = Sidecar::start(&adr_chain(
-        &dead_port(),
+        &closed_port(),
         &format!("{}/v1beta", root(&gemini)),
         &root(&claude),
         "",
@@ -380,7 +385,7 @@ async fn gemini_per_day_quota_opens_its_circuit_at_once() {
     let claude =
         MockUpstream::start_with_default(vec![], anthropic_message("ok", (5, 1, 0, 0))).await;
     let sc = Sidecar::start(&adr_chain(
-        &dead_port(),
+        &closed_port(),
         &format!("{}/v1beta", root(&gemini)),
         &root(&claude),
         "",
@@ -483,11 +488,7 @@ async fn max_in_flight_spills_over_instead_of_queueing() {
         async move { post_json(&url, &chat_body(false, false), &[]).await }
     });
     // Wait until the slow call is in flight.
-    let t0 = std::time::Instant::now();
-    while ollama.hits() == 0 {
-        assert!(t0.elapsed() < Duration::from_secs(5));
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let t0 = until_called(&ollama).await;
     assert_eq!(sc.running.app.transport.in_flight("ollama"), 1);
     let (st, h, b) = post_json(&url, &chat_body(false, false), &[]).await;
     assert_eq!(st, 200);
@@ -598,11 +599,7 @@ async fn a_stream_holds_its_in_flight_slot_until_it_ends() {
         let url = url.clone();
         async move { post_json_frames(&url, &chat_body(true, false), &[]).await }
     });
-    let t0 = std::time::Instant::now();
-    while ollama.hits() == 0 {
-        assert!(t0.elapsed() < Duration::from_secs(5));
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_called(&ollama).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(
         sc.running.app.transport.in_flight("ollama"),

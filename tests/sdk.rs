@@ -561,13 +561,6 @@ fn default_policy_at(ollama: &str, gemini: &str, claude: &str) -> String {
     out
 }
 
-fn closed_port() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let a = l.local_addr().unwrap();
-    drop(l);
-    format!("http://{a}")
-}
-
 /// What the SDK saw of one buffered completion and two streams served by `backend`.
 fn assert_native_run(v: &Value, backend: &str, text: &str, usage: (u64, u64)) {
     let chat = &v["chat"];

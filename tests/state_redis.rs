@@ -3,6 +3,8 @@
 //! dead holder's worst case, keys that expire with their window. Each test uses its own
 //! namespace and deletes its keys.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 use tollgate::ledger::{CounterKey, DimRefusal, SharedPart, WindowKey};
@@ -28,28 +30,12 @@ fn store(ns: &str, lease_ms: u64) -> RedisStore {
 }
 
 async fn conn() -> redis::aio::MultiplexedConnection {
-    redis::Client::open(URL)
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
+    common::redis_keys::conn(URL).await
 }
 
-/// Deletes every key of the namespace (on drop of the guard's owner, call explicitly).
+/// Deletes every key of the namespace (call it at the end of each test).
 async fn cleanup(prefix: &str) {
-    let mut c = conn().await;
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{prefix}*"))
-        .query_async(&mut c)
-        .await
-        .unwrap();
-    if !keys.is_empty() {
-        let _: () = redis::cmd("DEL")
-            .arg(keys)
-            .query_async(&mut c)
-            .await
-            .unwrap();
-    }
+    common::redis_keys::delete_prefix(URL, prefix).await
 }
 
 async fn hget(key: &str, field: &str) -> i64 {

@@ -90,11 +90,7 @@ async fn chat_at(url: &str) -> (u16, String, Option<String>) {
 }
 
 async fn redis_conn(url: &str) -> redis::aio::MultiplexedConnection {
-    redis::Client::open(url)
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
+    common::redis_keys::conn(url).await
 }
 
 /// (committed tokens, held tokens) summed over the namespace's counters of `scope`.
@@ -124,19 +120,7 @@ async fn totals(url: &str, namespace: &str, scope: &str) -> (i64, i64) {
 }
 
 async fn cleanup(url: &str, namespace: &str) {
-    let mut c = redis_conn(url).await;
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{{tollgate:{namespace}}}*"))
-        .query_async(&mut c)
-        .await
-        .unwrap();
-    if !keys.is_empty() {
-        let _: () = redis::cmd("DEL")
-            .arg(keys)
-            .query_async(&mut c)
-            .await
-            .unwrap();
-    }
+    common::redis_keys::delete_prefix(url, &format!("{{tollgate:{namespace}}}")).await
 }
 
 const REDIS: &str = "redis://127.0.0.1:6379/";

@@ -5,6 +5,7 @@
 pub mod mock;
 pub mod native;
 pub mod process;
+pub mod redis_keys;
 pub mod sidecar;
 
 use std::time::{Duration, Instant};

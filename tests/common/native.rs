@@ -12,6 +12,14 @@ pub fn root(up: &MockUpstream) -> String {
     format!("http://{}", up.addr())
 }
 
+/// `http://127.0.0.1:PORT` with nothing listening there (a backend that is down).
+pub fn closed_port() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let a = l.local_addr().expect("local addr");
+    drop(l);
+    format!("http://{a}")
+}
+
 // ---- Anthropic ---------------------------------------------------------------------------
 
 /// 200 Messages answer with text and usage (input, output, cache creation, cache read).
