@@ -166,7 +166,7 @@ retry: {{max_attempts_per_job: 4, same_backend_retries: 0}}
 quotas:
   - {{name: dh-ok-daily, scope: backend, match: dh-ok, window: day, limit_tokens: 1000000, alert_at: [0.7, 0.9]}}
 budgets:
-  - {{name: dh-monthly, scope: global, window: month, hard_usd: 50}}
+  - {{name: dh-monthly, scope: global, window: month, hard_usd: 500}}
 "#,
         ok = ok.base_url(),
         bad = bad.base_url()
@@ -196,16 +196,24 @@ async fn dashboard_renders_the_status_numbers_in_headless_chromium() {
         assert_eq!(post_json(&sc.chat_url(), &body, &[]).await.0, 200);
     }
 
-    // Steady traffic while the page loads.
+    // Steady traffic while the page loads: bounded, so that however fast the machine is the
+    // month's budget (hard_usd, each call reserves about $0.1 worst case) is never used up, which
+    // would rightly turn the traffic into DEFERs (the free primary's circuit is open).
+    const PER_CLIENT: usize = 400;
     let stop = Arc::new(AtomicBool::new(false));
     let sent = Arc::new(AtomicUsize::new(0));
     let mut clients = Vec::new();
     for _ in 0..2 {
         let (sc, stop, sent, body) = (sc.clone(), stop.clone(), sent.clone(), body.clone());
         clients.push(tokio::spawn(async move {
-            while !stop.load(Ordering::Relaxed) {
-                let r = try_post_json(&sc.chat_url(), &body, &[]).await;
-                assert_eq!(r.map(|r| r.0), Ok(200));
+            for _ in 0..PER_CLIENT {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                let (code, _, answer) = try_post_json(&sc.chat_url(), &body, &[])
+                    .await
+                    .expect("the sidecar answers");
+                assert_eq!(code, 200, "{}", String::from_utf8_lossy(&answer));
                 sent.fetch_add(1, Ordering::Relaxed);
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
