@@ -238,3 +238,93 @@ async fn sqlite_usage_log_round_trip_and_usage_command() {
         "nothing spilled when the database is healthy"
     );
 }
+
+fn spilled_row(i: usize) -> tollgate::audit::UsageRow {
+    tollgate::audit::UsageRow {
+        id: format!("spilled-{i}"),
+        created_at: format!("2026-11-29T23:{:02}:{:02}.000000Z", i / 60 % 60, i % 60),
+        provider: "primary".into(),
+        model: Some("small-1".into()),
+        input_tokens: PROMPT,
+        output_tokens: COMPLETION,
+        latency_ms: 3,
+        success: true,
+        error_message: None,
+        consumer: "carol".into(),
+        request_id: format!("spilled-{i}"),
+        job_id: format!("spilled-{i}"),
+        tried: "primary".into(),
+        route: "chat".into(),
+        policy_version: "usage-1".into(),
+        estimated_input_tokens: PROMPT,
+        requested_output_tokens: 50,
+        provenance: "ACTUAL".into(),
+        cost_usd: 0.017,
+        action: "ALLOW".into(),
+        reason: "OK".into(),
+        http_status: 200,
+        endpoint: "chat".into(),
+    }
+}
+
+/// Rows an earlier run spilled at shutdown (the database refused them) are loaded into the
+/// table when the next writer starts — more than one batch, in order, with unreadable lines
+/// (a torn write) kept aside in `<spill>.bad` — and loading the same rows twice adds nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_loads_the_spill_of_an_earlier_run_at_start() {
+    const ROWS: usize = 1500;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("tollgate.db");
+    let spill = dir.path().join("audit.jsonl.spill");
+    let bad = dir.path().join("audit.jsonl.spill.bad");
+    let mut text = String::new();
+    for i in 0..ROWS {
+        text.push_str(&serde_json::to_string(&spilled_row(i)).unwrap());
+        text.push('\n');
+        if i == 700 {
+            text.push_str("{\"id\":\"garbled\n\n");
+        }
+    }
+    let torn = serde_json::to_string(&spilled_row(ROWS)).unwrap();
+    text.push_str(&torn[..torn.len() / 2]);
+    std::fs::write(&spill, &text).unwrap();
+    let again = text.clone();
+
+    let (audit, writer) = Audit::sqlite(&db, "usage_test", 64, spill.clone()).expect("sqlite");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while spill.exists() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!spill.exists(), "the spill file was not loaded");
+    assert_eq!(count_rows(&db), ROWS as i64);
+    let kept = std::fs::read_to_string(&bad).expect("unreadable lines kept");
+    assert_eq!(
+        kept,
+        format!("{{\"id\":\"garbled\n{}\n", &torn[..torn.len() / 2])
+    );
+    let c = rusqlite::Connection::open(&db).unwrap();
+    let (first, last, consumer): (String, String, String) = c
+        .query_row(
+            "SELECT MIN(id), MAX(created_at), MIN(consumer) FROM usage_test",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .unwrap();
+    assert_eq!(first, "spilled-0");
+    assert_eq!(last, spilled_row(ROWS - 1).created_at);
+    assert_eq!(consumer, "carol");
+    drop(audit);
+    tokio::task::spawn_blocking(move || writer.finish())
+        .await
+        .expect("writer joins");
+
+    // The same spill again (say the removal was lost in a crash): no row twice.
+    std::fs::write(&spill, again).unwrap();
+    let (audit, writer) = Audit::sqlite(&db, "usage_test", 64, spill.clone()).expect("sqlite");
+    drop(audit);
+    tokio::task::spawn_blocking(move || writer.finish())
+        .await
+        .expect("writer joins");
+    assert!(!spill.exists());
+    assert_eq!(count_rows(&db), ROWS as i64);
+}

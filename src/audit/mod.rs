@@ -8,14 +8,16 @@
 pub mod postgres;
 pub mod report;
 pub mod row;
+mod spill;
 pub mod sqlite;
 
 pub use row::{usage_row, valid_table, UsageRow};
+use spill::{spill, spill_at_shutdown, SpillFile};
 
 use crate::governor::Record;
 use serde::Serialize;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use tokio::sync::mpsc;
 
 /// How long the writer lets records gather after writing a batch (bounds the audit lag).
@@ -116,49 +118,6 @@ impl Audit {
             if tx.send(e).await.is_err() {
                 tracing::error!("audit writer is gone; record not written");
             }
-        }
-    }
-}
-
-/// Shutting down with the log's database away: takes what is still queued into `batch` and
-/// spills it all to `path` instead of hanging (the next start loads the file).
-fn spill_at_shutdown(rx: &mut mpsc::Receiver<Entry>, batch: &mut Vec<UsageRow>, path: &Path) {
-    while let Ok(e) = rx.try_recv() {
-        batch.push(row::usage_row(&e));
-    }
-    if !spill(path, batch) {
-        tracing::error!(rows = batch.len(), "usage log: rows lost at shutdown");
-    }
-}
-
-/// Appends usage rows that could not reach their database to `path` as JSON lines, synced;
-/// `false` when that failed too (the caller keeps the rows).
-fn spill(path: &Path, rows: &[UsageRow]) -> bool {
-    let res = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .and_then(|f| {
-            let mut out = std::io::BufWriter::new(f);
-            for r in rows {
-                serde_json::to_writer(&mut out, r)?;
-                out.write_all(b"\n")?;
-            }
-            out.flush()?;
-            out.into_inner().map_err(|e| e.into_error())?.sync_all()
-        });
-    match res {
-        Ok(()) => {
-            tracing::warn!(
-                rows = rows.len(),
-                path = %path.display(),
-                "usage log: database unreachable; rows spilled to the JSON lines file"
-            );
-            true
-        }
-        Err(err) => {
-            tracing::error!(%err, rows = rows.len(), "usage log: cannot spill rows");
-            false
         }
     }
 }

@@ -13,7 +13,8 @@
 
 use super::row::{usage_row, UsageRow, COLUMNS};
 use super::{
-    spill, spill_at_shutdown, Audit, AuditError, AuditWriter, Entry, BATCH_PAUSE, MAX_BATCH,
+    spill, spill_at_shutdown, Audit, AuditError, AuditWriter, Entry, SpillFile, BATCH_PAUSE,
+    MAX_BATCH,
 };
 use std::path::PathBuf;
 use std::time::Duration;
@@ -331,62 +332,22 @@ async fn run(
     }
 }
 
-/// Loads the spill file into the table in batches, then removes it. Lines that do not parse
-/// (a torn last line after a crash) are moved to `<spill>.bad` instead of being dropped.
+/// Loads the spill file into the table in batches, then removes it (ids make it idempotent).
 async fn replay(
     conn: &mut Option<Conn>,
     cfg: &tokio_postgres::Config,
     table: &str,
     path: &std::path::Path,
 ) -> Result<u64, String> {
-    use std::io::BufRead;
-    let f = match std::fs::File::open(path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
-        Err(e) => return Err(e.to_string()),
+    let Some(mut file) = SpillFile::open(path)? else {
+        return Ok(0);
     };
-    let (mut chunk, mut bad, mut n) = (Vec::new(), Vec::new(), 0u64);
-    for line in std::io::BufReader::new(f).lines() {
-        let line = line.map_err(|e| e.to_string())?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        match serde_json::from_str::<UsageRow>(&line) {
-            Ok(r) => chunk.push(r),
-            Err(_) => bad.push(line),
-        }
-        if chunk.len() >= MAX_BATCH {
-            try_insert(conn, cfg, table, &chunk).await?;
-            n += chunk.len() as u64;
-            chunk.clear();
-        }
+    let mut n = 0u64;
+    for rows in &mut file {
+        let rows = rows?;
+        try_insert(conn, cfg, table, &rows).await?;
+        n += rows.len() as u64;
     }
-    if !chunk.is_empty() {
-        try_insert(conn, cfg, table, &chunk).await?;
-        n += chunk.len() as u64;
-    }
-    if !bad.is_empty() {
-        let mut b = path.as_os_str().to_owned();
-        b.push(".bad");
-        let mut text = bad.join("\n");
-        text.push('\n');
-        use std::io::Write;
-        let res = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&b)
-            .and_then(|mut f| f.write_all(text.as_bytes()));
-        if let Err(e) = res {
-            return Err(format!(
-                "cannot keep {} unreadable spilled lines: {e}",
-                bad.len()
-            ));
-        }
-        tracing::error!(
-            lines = bad.len(),
-            "usage log: unreadable spilled lines kept in the .bad file"
-        );
-    }
-    std::fs::remove_file(path).map_err(|e| e.to_string())?;
+    file.done(path)?;
     Ok(n)
 }

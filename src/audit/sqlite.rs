@@ -3,7 +3,7 @@
 //! never block the counters' readers; a busy timeout rides out the other writer's commits.
 
 use super::row::{usage_row, UsageRow, COLUMNS};
-use super::{spill_at_shutdown, Audit, AuditWriter, Entry, BATCH_PAUSE, MAX_BATCH};
+use super::{spill_at_shutdown, Audit, AuditWriter, Entry, SpillFile, BATCH_PAUSE, MAX_BATCH};
 use rusqlite::{params, Connection};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -100,10 +100,42 @@ pub fn insert(conn: &mut Connection, table: &str, rows: &[UsageRow]) -> rusqlite
     tx.commit()
 }
 
+/// Loads the spill file of an earlier run (rows refused at its shutdown) into the table,
+/// then removes it; ids make a repeated load harmless.
+fn replay(conn: &mut Connection, table: &str, path: &Path) -> Result<u64, String> {
+    let Some(mut file) = SpillFile::open(path)? else {
+        return Ok(0);
+    };
+    let mut n = 0u64;
+    for rows in &mut file {
+        let rows = rows?;
+        insert(conn, table, &rows).map_err(|e| e.to_string())?;
+        n += rows.len() as u64;
+    }
+    file.done(path)?;
+    Ok(n)
+}
+
+/// Tries to load the spill file; `true` while it is still there to load later.
+fn load_spill(conn: &mut Connection, table: &str, path: &Path) -> bool {
+    match replay(conn, table, path) {
+        Ok(0) => false,
+        Ok(n) => {
+            tracing::info!(rows = n, "usage log: spilled rows loaded into sqlite");
+            false
+        }
+        Err(err) => {
+            tracing::warn!(%err, "usage log: spilled rows not loaded yet; will retry");
+            true
+        }
+    }
+}
+
 impl Audit {
     /// Starts a writer thread inserting usage rows into `table` of the SQLite file `path`.
     /// The table is created here, so a bad path fails `serve` at start. Rows that still
-    /// cannot be committed at shutdown go to `spill_path` as JSON lines.
+    /// cannot be committed at shutdown go to `spill_path` as JSON lines, loaded back at the
+    /// next start.
     pub fn sqlite(
         path: &Path,
         table: &str,
@@ -122,6 +154,9 @@ impl Audit {
             .name("tollgate-audit-sqlite".into())
             .spawn(move || {
                 let mut batch: Vec<UsageRow> = Vec::new();
+                // Rows an earlier run spilled are loaded first (and after any later commit
+                // while the load keeps failing).
+                let mut spilled = load_spill(&mut conn, &table, &spill_path);
                 while let Some(e) = rx.blocking_recv() {
                     batch.push(usage_row(&e));
                     while batch.len() < MAX_BATCH {
@@ -148,6 +183,9 @@ impl Audit {
                         pause = (pause * 2).min(RETRY_MAX);
                     }
                     batch.clear();
+                    if spilled {
+                        spilled = load_spill(&mut conn, &table, &spill_path);
+                    }
                     std::thread::sleep(BATCH_PAUSE);
                 }
             })
