@@ -96,10 +96,17 @@ impl Governor {
                 }))
             }
             Err(_) => match policy.state.on_unavailable {
-                OnUnavailable::Local => self
-                    .ledger
-                    .reserve(&reserve, amount)
-                    .map_err(ReserveError::Refused),
+                OnUnavailable::Local => {
+                    let mut r = self
+                        .ledger
+                        .reserve(&reserve, amount)
+                        .map_err(ReserveError::Refused)?;
+                    // What this request uses is written back once the store answers.
+                    if let Some(owed) = shared.offline_hold(&parts, now) {
+                        r.attach(owed);
+                    }
+                    Ok(r)
+                }
                 OnUnavailable::Deny => Err(ReserveError::Unavailable),
             },
         }

@@ -51,6 +51,14 @@ pub trait SharedCounters: Send + Sync + std::fmt::Debug {
         amount: Amount,
         now: Millis,
     ) -> ReserveFuture<'a>;
+
+    /// For a request the replica admits on its own while the store is away
+    /// (`state.on_unavailable: local`): a hold that holds nothing, but whose settlement is
+    /// owed to the store and written there once it answers again, so usage counted alone
+    /// still reaches the shared counters. `None` (the default) keeps such usage local.
+    fn offline_hold(&self, _parts: &[SharedPart<'_>], _now: Millis) -> Option<Box<dyn SharedHold>> {
+        None
+    }
 }
 
 /// A reservation held in the shared store. Dropping it releases the hold (in the background);

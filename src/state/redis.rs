@@ -18,7 +18,10 @@
 //!
 //! When Redis does not answer (connect or response timeout: 500 ms), the store reports
 //! [`StoreUnavailable`] and stops trying for one second; the governor then follows
-//! `state.on_unavailable`. The next attempt after that second reconnects.
+//! `state.on_unavailable`. The next attempt after that second reconnects. In `local` mode the
+//! usage a replica commits alone meanwhile is queued and written back once Redis answers
+//! (`settle.lua` on a hold that held nothing: idempotent by reservation id, so a retried
+//! write never counts twice).
 
 use crate::ledger::shared::ReserveFuture;
 use crate::ledger::{
@@ -46,6 +49,8 @@ const KEY_SLACK_MS: i64 = 60_000;
 const SETTLED_KEEP_MS: i64 = 3_600_000;
 /// Background settle attempts before the hold is left to its lease.
 const SETTLE_TRIES: u32 = 4;
+/// Most requests' usage queued for write-back after an outage (`state.on_unavailable: local`).
+const MAX_DEBTS: usize = 100_000;
 
 fn wall_ms() -> Millis {
     jiff::Timestamp::now().as_millisecond()
@@ -73,16 +78,37 @@ struct Inner {
     seq: AtomicU64,
     reserve: Script,
     settle: Script,
+    /// Usage counted alone while Redis was away, oldest first, waiting to be written back.
+    /// Touched only on that degraded path (never on a request served through Redis).
+    debts: std::sync::Mutex<std::collections::VecDeque<Debt>>,
+    /// A task is writing `debts` back.
+    paying: AtomicBool,
 }
 
-/// A reservation held in Redis; see [`SharedHold`].
+/// Where one reservation lives in Redis: its counters' keys (3 each), their expiries, and its
+/// member `rid:t:r:u` (the amount held; `rid:0:0:0` for a hold that holds nothing).
 #[derive(Debug)]
-pub struct RedisHold {
-    inner: Arc<Inner>,
+struct Slot {
     keys: Vec<String>,
     expires: Vec<i64>,
     member: String,
     rid_len: usize,
+}
+
+/// A settlement owed to Redis: usage committed by this replica alone during an outage.
+#[derive(Debug)]
+struct Debt {
+    slot: Slot,
+    actual: Amount,
+}
+
+/// A reservation held in Redis; see [`SharedHold`]. An `owed` hold holds nothing: it was
+/// made while Redis was away, and its settlement is queued to be written back.
+#[derive(Debug)]
+pub struct RedisHold {
+    inner: Arc<Inner>,
+    slot: Slot,
+    owed: bool,
     settled: bool,
 }
 
@@ -129,6 +155,8 @@ impl RedisStore {
                 seq: AtomicU64::new(0),
                 reserve: Script::new(RESERVE_LUA),
                 settle: Script::new(SETTLE_LUA),
+                debts: std::sync::Mutex::new(std::collections::VecDeque::new()),
+                paying: AtomicBool::new(false),
             }),
         })
     }
@@ -267,6 +295,130 @@ impl Inner {
         }
     }
 
+    /// A fresh reservation id and the keys and expiries of `parts`, holding `amount`.
+    fn slot(&self, parts: &[SharedPart<'_>], amount: Amount, now: Millis) -> Slot {
+        let rid = format!(
+            "{}-{:x}",
+            self.rid_prefix,
+            self.seq.fetch_add(1, Ordering::Relaxed)
+        );
+        let mut keys = Vec::with_capacity(parts.len() * 3);
+        for p in parts {
+            let k = self.counter_key(p.key);
+            let (l, s) = (format!("{k}:l"), format!("{k}:s"));
+            keys.extend([k, l, s]);
+        }
+        Slot {
+            keys,
+            expires: parts.iter().map(|p| self.expiry(p, now)).collect(),
+            member: format!("{rid}:{}:{}:{}", amount.tokens, amount.requests, amount.usd),
+            rid_len: rid.len(),
+        }
+    }
+
+    /// One round trip of `settle.lua` for `slot`: commits `actual` (or releases when `None`).
+    async fn settle_slot(
+        &self,
+        slot: &Slot,
+        actual: Option<Amount>,
+    ) -> Result<i64, StoreUnavailable> {
+        let mut conn = self.conn().await?;
+        let a = actual.unwrap_or_default();
+        let mut inv = self.settle.prepare_invoke();
+        for k in &slot.keys {
+            inv.key(k);
+        }
+        inv.arg(&slot.member)
+            .arg(&slot.member[..slot.rid_len])
+            .arg(if actual.is_some() { 1 } else { 0 })
+            .arg(a.tokens)
+            .arg(a.requests)
+            .arg(a.usd)
+            .arg(SETTLED_KEEP_MS)
+            .arg(slot.expires.len());
+        for e in &slot.expires {
+            inv.arg(*e);
+        }
+        match inv.invoke_async::<i64>(&mut conn).await {
+            Ok(n) => {
+                self.answered();
+                Ok(n)
+            }
+            Err(e) => {
+                self.failed(&e);
+                Err(StoreUnavailable)
+            }
+        }
+    }
+
+    /// Queues usage committed alone during an outage, to be written back (at most
+    /// `MAX_DEBTS` requests' worth; past that the oldest stays local only, said loudly).
+    fn owe(self: &Arc<Self>, debt: Debt) {
+        {
+            let mut debts = self.debts.lock().unwrap_or_else(|p| p.into_inner());
+            if debts.len() >= MAX_DEBTS {
+                debts.pop_front();
+                tracing::error!(
+                    "state: more than {MAX_DEBTS} requests counted alone during the Redis outage; the oldest one's usage will not be written back"
+                );
+            }
+            debts.push_back(debt);
+        }
+        if self.paying.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            self.paying.store(false, Ordering::Release);
+            return;
+        };
+        rt.spawn(self.clone().pay_debts());
+    }
+
+    /// Writes the owed usage back, oldest first, waiting out the outage; each write is the
+    /// idempotent settle of a hold that held nothing, so a retried write never counts twice.
+    async fn pay_debts(self: Arc<Self>) {
+        let mut paid = 0u64;
+        loop {
+            let next = self
+                .debts
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .pop_front();
+            let Some(debt) = next else {
+                self.paying.store(false, Ordering::Release);
+                // A debt queued between the pop and the store above would have no payer.
+                let empty = self
+                    .debts
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .is_empty();
+                if empty || self.paying.swap(true, Ordering::AcqRel) {
+                    if paid > 0 {
+                        tracing::info!(
+                            requests = paid,
+                            "state: usage counted alone during the Redis outage was written back"
+                        );
+                    }
+                    return;
+                }
+                continue;
+            };
+            if self
+                .settle_slot(&debt.slot, Some(debt.actual))
+                .await
+                .is_ok()
+            {
+                paid += 1;
+            } else {
+                self.debts
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push_front(debt);
+                tokio::time::sleep(Duration::from_millis(RETRY_AFTER_FAILURE_MS as u64)).await;
+            }
+        }
+    }
+
     #[allow(clippy::type_complexity)]
     async fn reserve(
         self: Arc<Self>,
@@ -274,37 +426,22 @@ impl Inner {
         amount: Amount,
     ) -> Result<(Result<RedisHold, (usize, DimRefusal)>, Vec<Amount>), StoreUnavailable> {
         let mut conn = self.conn().await?;
-        let now = wall_ms();
-        let rid = format!(
-            "{}-{:x}",
-            self.rid_prefix,
-            self.seq.fetch_add(1, Ordering::Relaxed)
-        );
-        let member = format!("{rid}:{}:{}:{}", amount.tokens, amount.requests, amount.usd);
-        let mut keys = Vec::with_capacity(parts.len() * 3);
-        let mut expires = Vec::with_capacity(parts.len());
+        let slot = self.slot(parts, amount, wall_ms());
         let mut inv = self.reserve.prepare_invoke();
-        for p in parts {
-            let k = self.counter_key(p.key);
-            let (l, s) = (format!("{k}:l"), format!("{k}:s"));
-            inv.key(&k).key(&l).key(&s);
-            keys.push(k);
-            keys.push(l);
-            keys.push(s);
+        for k in &slot.keys {
+            inv.key(k);
         }
-        inv.arg(&member)
+        inv.arg(&slot.member)
             .arg(amount.tokens)
             .arg(amount.requests)
             .arg(amount.usd)
             .arg(self.lease_ms)
             .arg(parts.len());
-        for p in parts {
+        for (p, e) in parts.iter().zip(&slot.expires) {
             for h in p.hard {
                 inv.arg(h.map_or(-1i64, |v| v.min(i64::MAX as u64) as i64));
             }
-            let e = self.expiry(p, now);
-            inv.arg(e);
-            expires.push(e);
+            inv.arg(*e);
         }
         let reply: Vec<i64> = match inv.invoke_async(&mut conn).await {
             Ok(r) => r,
@@ -330,11 +467,9 @@ impl Inner {
         match reply.first() {
             Some(1) => {
                 let hold = RedisHold {
-                    rid_len: rid.len(),
                     inner: self.clone(),
-                    keys,
-                    expires,
-                    member,
+                    slot,
+                    owed: false,
                     settled: false,
                 };
                 Ok((Ok(hold), committed_from(1)))
@@ -383,44 +518,24 @@ impl SharedCounters for RedisStore {
             })
         })
     }
+
+    fn offline_hold(&self, parts: &[SharedPart<'_>], now: Millis) -> Option<Box<dyn SharedHold>> {
+        Some(Box::new(RedisHold {
+            inner: self.inner.clone(),
+            slot: self.inner.slot(parts, Amount::ZERO, now),
+            owed: true,
+            settled: false,
+        }))
+    }
 }
 
 impl RedisHold {
-    fn rid(&self) -> &str {
-        &self.member[..self.rid_len]
-    }
-
     /// Settles now, in one round trip: commits `actual` (or releases when `None`). Returns
     /// how many counters this call settled (0 = settled before: the call is idempotent).
     pub async fn settle_now(&mut self, actual: Option<Amount>) -> Result<i64, StoreUnavailable> {
-        let mut conn = self.inner.conn().await?;
-        let a = actual.unwrap_or_default();
-        let mut inv = self.inner.settle.prepare_invoke();
-        for k in &self.keys {
-            inv.key(k);
-        }
-        inv.arg(&self.member)
-            .arg(self.rid())
-            .arg(if actual.is_some() { 1 } else { 0 })
-            .arg(a.tokens)
-            .arg(a.requests)
-            .arg(a.usd)
-            .arg(SETTLED_KEEP_MS)
-            .arg(self.expires.len());
-        for e in &self.expires {
-            inv.arg(*e);
-        }
-        match inv.invoke_async::<i64>(&mut conn).await {
-            Ok(n) => {
-                self.inner.answered();
-                self.settled = true;
-                Ok(n)
-            }
-            Err(e) => {
-                self.inner.failed(&e);
-                Err(StoreUnavailable)
-            }
-        }
+        let n = self.inner.settle_slot(&self.slot, actual).await?;
+        self.settled = true;
+        Ok(n)
     }
 
     /// Settles in the background, retrying a few times (idempotent); gives up to the lease.
@@ -447,26 +562,43 @@ impl RedisHold {
             );
         });
     }
+
+    fn take_slot(&mut self) -> Slot {
+        Slot {
+            keys: std::mem::take(&mut self.slot.keys),
+            expires: std::mem::take(&mut self.slot.expires),
+            member: std::mem::take(&mut self.slot.member),
+            rid_len: self.slot.rid_len,
+        }
+    }
 }
 
 impl SharedHold for RedisHold {
-    fn settle(self: Box<Self>, actual: Amount) {
+    fn settle(mut self: Box<Self>, actual: Amount) {
+        if self.owed {
+            self.settled = true;
+            let debt = Debt {
+                slot: self.take_slot(),
+                actual,
+            };
+            self.inner.owe(debt);
+            return;
+        }
         (*self).settle_in_background(Some(actual));
     }
 }
 
 impl Drop for RedisHold {
     fn drop(&mut self) {
-        if self.settled {
+        // An owed hold held nothing: nothing to release.
+        if self.settled || self.owed {
             return;
         }
         self.settled = true;
         let hold = RedisHold {
             inner: self.inner.clone(),
-            keys: std::mem::take(&mut self.keys),
-            expires: std::mem::take(&mut self.expires),
-            member: std::mem::take(&mut self.member),
-            rid_len: self.rid_len,
+            slot: self.take_slot(),
+            owed: false,
             settled: false,
         };
         hold.settle_in_background(None);
