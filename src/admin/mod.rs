@@ -162,7 +162,7 @@ pub async fn handle(
 ) -> Result<Response<Body>, Infallible> {
     Ok(match (req.method(), req.uri().path()) {
         (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
-        (&Method::GET, "/readyz") => readyz(&app, &ops).await,
+        (&Method::GET, "/readyz") => readyz(&ops).await,
         (&Method::GET, "/metrics") => {
             status::set_gauges(&app, &ops);
             with_type(
@@ -202,10 +202,9 @@ pub async fn handle(
     })
 }
 
-async fn readyz(app: &App, ops: &Ops) -> Response<Body> {
+async fn readyz(ops: &Ops) -> Response<Body> {
     // A valid policy is loaded by construction (start refuses an invalid one; a reload never
     // replaces it with one), so readiness is the state store's answer.
-    let _version = app.snap.load().policy.version.clone();
     let check = ops.state_check.load_full();
     let Some(check) = check else {
         return text(StatusCode::OK, "ready\n");

@@ -60,7 +60,6 @@ pub enum ReloadError {
 /// How reloads went, for `/admin/status` and the gauges.
 #[derive(Debug, Clone)]
 pub struct ReloadStatus {
-    pub version: Arc<str>,
     pub loaded_at: Timestamp,
     /// (when, trigger, ok)
     pub last: Option<(Timestamp, Trigger, bool)>,
@@ -77,8 +76,7 @@ pub struct ReloadStatus {
 impl ReloadStatus {
     pub fn new(version: Arc<str>) -> Self {
         ReloadStatus {
-            versions: vec![version.clone()],
-            version,
+            versions: vec![version],
             loaded_at: Timestamp::now(),
             last: None,
             last_error: None,
@@ -106,11 +104,9 @@ impl Ops {
         match res {
             Ok(v) => {
                 metrics::counter!(TOLLGATE_POLICY_RELOADS_TOTAL, "result" => "ok").increment(1);
-                crate::telemetry::global().configure(&app.snap.load().policy);
                 st.ok += 1;
                 st.last = Some((now, trigger, true));
                 st.loaded_at = now;
-                st.version = v.clone();
                 st.versions.retain(|x| x != &v);
                 st.versions.push(v.clone());
                 if st.versions.len() > VERSIONS_KEPT {
@@ -127,7 +123,7 @@ impl Ops {
                 tracing::error!(
                     error = %e,
                     trigger = trigger.as_str(),
-                    version = %st.version,
+                    version = st.versions.last().map_or("", |v| &**v),
                     "policy reload rejected; the old policy stays in force"
                 );
                 Err(ReloadError::Invalid(e))

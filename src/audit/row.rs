@@ -24,7 +24,9 @@ pub struct UsageRow {
     pub consumer: String,
     pub request_id: String,
     pub job_id: String,
-    /// The backends attempted, in order, comma-separated (empty when none was called).
+    /// The chain entries the request went through, in order, comma-separated — called ones
+    /// and ones skipped without a call (saturated, untranslatable) alike; empty when none was
+    /// reached. (Telemetry's attempt counts leave the skipped ones out.)
     pub tried: String,
     pub route: String,
     pub policy_version: String,

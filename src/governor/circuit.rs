@@ -27,6 +27,15 @@ impl CircuitState {
             CircuitState::Open => "OPEN",
         }
     }
+    /// The inverse of [`CircuitState::as_str`].
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "CLOSED" => Some(CircuitState::Closed),
+            "HALF_OPEN" => Some(CircuitState::HalfOpen),
+            "OPEN" => Some(CircuitState::Open),
+            _ => None,
+        }
+    }
     /// Gauge value: 0 closed, 1 half-open, 2 open.
     pub fn gauge(self) -> f64 {
         match self {

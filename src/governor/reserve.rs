@@ -27,13 +27,21 @@ impl Governor {
     ) -> Result<Reservation, ReserveError> {
         let reserve: Vec<_> = all.iter().map(|p| p.reserve_part()).collect();
         let Some(shared) = &self.shared else {
-            return self
-                .ledger
-                .reserve(&reserve, amount)
-                .map_err(ReserveError::Refused);
+            return self.reserve_local(&reserve, amount);
         };
         // Boxed so that the local path's future does not carry the shared path's state.
         Box::pin(self.reserve_shared(&**shared, policy, all, reserve, amount, now)).await
+    }
+
+    /// The local ledger's lock-free reservation.
+    fn reserve_local(
+        &self,
+        reserve: &[crate::ledger::ReservePart],
+        amount: Amount,
+    ) -> Result<Reservation, ReserveError> {
+        self.ledger
+            .reserve(reserve, amount)
+            .map_err(ReserveError::Refused)
     }
 
     async fn reserve_shared(
@@ -50,10 +58,7 @@ impl Governor {
             .filter(|&i| all[i].key.scope != Scope::Request)
             .collect();
         if idx.is_empty() {
-            return self
-                .ledger
-                .reserve(&reserve, amount)
-                .map_err(ReserveError::Refused);
+            return self.reserve_local(&reserve, amount);
         }
         let parts: Vec<SharedPart<'_>> = idx
             .iter()
@@ -97,10 +102,7 @@ impl Governor {
             }
             Err(_) => match policy.state.on_unavailable {
                 OnUnavailable::Local => {
-                    let mut r = self
-                        .ledger
-                        .reserve(&reserve, amount)
-                        .map_err(ReserveError::Refused)?;
+                    let mut r = self.reserve_local(&reserve, amount)?;
                     // What this request uses is written back once the store answers.
                     if let Some(owed) = shared.offline_hold(&parts, now) {
                         r.attach(owed);
@@ -135,6 +137,8 @@ mod tests {
     #[derive(Debug, Default)]
     struct Log {
         asked: Vec<Vec<Scope>>,
+        /// Owed holds made while the store was down, by their parts' scopes.
+        owed: Vec<Vec<Scope>>,
         settled: Vec<Option<Amount>>,
     }
 
@@ -192,6 +196,16 @@ mod tests {
                 Answer::Down => Err(StoreUnavailable),
             };
             Box::pin(std::future::ready(r))
+        }
+
+        fn offline_hold(
+            &self,
+            parts: &[SharedPart<'_>],
+            _now: Millis,
+        ) -> Option<Box<dyn SharedHold>> {
+            let mut log = self.log.lock().unwrap();
+            log.owed.push(parts.iter().map(|p| p.key.scope).collect());
+            Some(Box::new(FakeHold(self.log.clone(), false)))
         }
     }
 
@@ -334,6 +348,12 @@ state: {{backend: redis, redis_url: 'redis://127.0.0.1:1', on_unavailable: {on_u
         );
     }
 
+    async fn log_of(answer: Answer, mode: &str) -> Log {
+        let (_, _, log, _) = run(answer, mode, 1000).await;
+        let log = std::mem::take(&mut *log.lock().unwrap());
+        log
+    }
+
     #[tokio::test]
     async fn an_unavailable_store_denies_with_503_or_falls_back_to_local() {
         let (_, out, _, _) = run(Answer::Down, "deny", 1000).await;
@@ -345,9 +365,32 @@ state: {{backend: redis, redis_url: 'redis://127.0.0.1:1', on_unavailable: {on_u
         );
         assert!(matches!(out.served, Served::Refused));
 
-        let (g, out, _, _) = run(Answer::Down, "local", 1000).await;
+        assert!(log_of(Answer::Down, "deny").await.owed.is_empty());
+
+        let (g, out, log, p) = run(Answer::Down, "local", 1000).await;
         assert_eq!(out.record.final_action, FinalAction::Allow);
         assert!(g.ledger.reserved_tokens() > 0, "held in the local ledger");
+        // What the request uses is owed to the store: its shared counters, settled with the
+        // actual usage.
+        assert_eq!(
+            log.lock().unwrap().owed,
+            vec![vec![Scope::Consumer, Scope::Job]]
+        );
+        let Served::Upstream { pending, .. } = out.served else {
+            panic!("served")
+        };
+        let mut rec = out.record;
+        let usage = Usage {
+            input_tokens: 10,
+            output_tokens: 5,
+        };
+        g.settle(&p, &mut rec, pending, usage, UsageEvidence::Actual);
+        let actual = Amount {
+            tokens: 15,
+            requests: 1,
+            usd: 0,
+        };
+        assert_eq!(log.lock().unwrap().settled, vec![Some(actual)]);
         // Locally, the hard limits still hold.
         let (_, out, _, _) = run(Answer::Down, "local", 20).await;
         assert_eq!(out.record.reason_class, ReasonClass::HardBudgetExceeded);

@@ -71,6 +71,9 @@ pub struct Envelope {
     pub created: i64,
     /// What the client asked for (the shape of the answer).
     pub endpoint: Endpoint,
+    /// The client asked for the usage chunk: content chunks carry `"usage":null`, as OpenAI's
+    /// do. Otherwise they carry no `usage` key (the SSE meter would only cut it out again).
+    pub usage_nulls: bool,
 }
 
 /// Turns a native stream into OpenAI `chat.completion.chunk` SSE events, frame by frame.
@@ -341,14 +344,16 @@ impl ChunkWriter {
     }
 
     fn event(&self, out: &mut Vec<u8>, choices: Value, usage: Value) {
-        let v = json!({
+        let mut v = json!({
             "id": self.env.id,
             "object": "chat.completion.chunk",
             "created": self.env.created,
             "model": self.env.model,
             "choices": choices,
-            "usage": usage,
         });
+        if !usage.is_null() || self.env.usage_nulls {
+            v["usage"] = usage;
+        }
         out.extend_from_slice(b"data: ");
         // Writing to a Vec cannot fail.
         let _ = serde_json::to_writer(&mut *out, &v);

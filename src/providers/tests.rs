@@ -24,6 +24,7 @@ fn env() -> Envelope {
         model: "native-model".into(),
         created: 7,
         endpoint: Endpoint::Chat,
+        usage_nulls: true,
     }
 }
 
@@ -408,6 +409,20 @@ data: {\"candidates\":[{\"content\":{\"parts\":[{\"text\":\" three\"}],\"role\":
     let (events, done, failed) = run_stream(|| gemini::Gemini.stream(env()).unwrap(), native);
     assert!(done && !failed);
     assert_eq!(streamed_text(&events), "One two three");
+    // The client asked for usage: content chunks carry `"usage": null`, as OpenAI's do;
+    // otherwise they carry no usage key at all, and only the final chunk has usage.
+    let content = &events[1];
+    assert!(content["usage"].is_null() && content.get("usage").is_some());
+    let quiet = Envelope {
+        usage_nulls: false,
+        ..env()
+    };
+    let (bare, _, _) = run_stream(|| gemini::Gemini.stream(quiet.clone()).unwrap(), native);
+    assert_eq!(streamed_text(&bare), "One two three");
+    assert!(bare[..bare.len() - 1]
+        .iter()
+        .all(|e| e.get("usage").is_none()));
+    assert_eq!(usage_chunk(&bare), usage_chunk(&events));
     let u = usage_chunk(&events).unwrap();
     assert_eq!(u["prompt_tokens"], 9);
     assert_eq!(

@@ -264,13 +264,9 @@ async fn governed(
                     resp
                 }
                 UpBody::Stream(incoming) => {
-                    // A translated native stream always ends with a usage chunk: hide it
-                    // unless the client asked for it.
-                    let hide_usage = if translate.is_some() {
-                        !est.include_usage
-                    } else {
-                        call.add_include_usage
-                    };
+                    // The usage chunk tollgate asked for (OpenAI) or a translated native stream
+                    // always ends with is hidden unless the client asked for it.
+                    let hide_usage = call.add_include_usage;
                     let tail = stream::Tail {
                         governor: app.governor.clone(),
                         snap: snap.clone(),

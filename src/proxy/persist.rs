@@ -99,11 +99,7 @@ fn circuit_rows(g: &Governor) -> Vec<CircuitRow> {
 }
 
 fn restore_circuit(g: &Governor, c: &CircuitRow) {
-    let state = match c.state.as_str() {
-        "OPEN" => CircuitState::Open,
-        "HALF_OPEN" => CircuitState::HalfOpen,
-        _ => CircuitState::Closed,
-    };
+    let state = CircuitState::parse(&c.state).unwrap_or(CircuitState::Closed);
     // Probes in flight died with the old process.
     g.circuit(&Arc::from(c.backend.as_str())).restore(
         state,

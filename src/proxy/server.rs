@@ -206,6 +206,7 @@ pub fn reload(app: &App, path: &std::path::Path) -> Result<Arc<str>, String> {
     let snap = super::snapshot::load(path)?;
     let version = snap.policy.version.clone();
     let ids: Vec<Arc<str>> = snap.policy.backends.iter().map(|b| b.id.clone()).collect();
+    crate::telemetry::global().configure(&snap.policy);
     app.snap.store(Arc::new(snap));
     app.governor
         .retain_circuits(|id| ids.iter().any(|b| &**b == id));

@@ -214,6 +214,7 @@ impl Call<'_> {
             model: spec.model.to_string(),
             created: jiff::Timestamp::now().as_second(),
             endpoint: self.endpoint,
+            usage_nulls: !self.add_include_usage,
         }
     }
 
@@ -282,8 +283,6 @@ impl Call<'_> {
         let (parts, incoming) = resp.into_parts();
         let status = parts.status;
         let mut headers = parts.headers;
-        let now_ms = jiff::Timestamp::now().as_millisecond();
-        let header_delay = provider.header_delay(&headers, now_ms);
         let class = match status.as_u16() {
             200..=299 => None,
             429 => Some(FailureClass::Throttled),
@@ -318,6 +317,9 @@ impl Call<'_> {
             }
         };
         if let Some(class) = class {
+            // Only failures look for a delay (providers send rate-limit headers on every answer).
+            let now_ms = jiff::Timestamp::now().as_millisecond();
+            let header_delay = provider.header_delay(&headers, now_ms);
             // Gemini puts the delay in the body (RetryInfo), not in a header.
             let hint = match read_body(incoming, deadline, MAX_ERROR_BODY).await {
                 Ok(b) => provider.error_hint(status.as_u16(), &b, now_ms),

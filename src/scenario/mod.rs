@@ -171,17 +171,8 @@ pub async fn run(
         ledger.set_job(Arc::from(j.id.as_str()), j.attempts, j.fallbacks, now);
     }
     for c in &sc.state.circuits {
-        let state = match c.state.as_str() {
-            "CLOSED" => CircuitState::Closed,
-            "OPEN" => CircuitState::Open,
-            "HALF_OPEN" => CircuitState::HalfOpen,
-            other => {
-                return Err(parse_err(
-                    file,
-                    format!("state.circuits: unknown state {other}"),
-                ))
-            }
-        };
+        let state = CircuitState::parse(&c.state)
+            .ok_or_else(|| parse_err(file, format!("state.circuits: unknown state {}", c.state)))?;
         let opened_at = match &c.opened_at {
             Some(t) => parse_time(file, "state.circuits.opened_at", t)?,
             None => now,

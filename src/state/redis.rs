@@ -87,7 +87,7 @@ struct Inner {
 
 /// Where one reservation lives in Redis: its counters' keys (3 each), their expiries, and its
 /// member `rid:t:r:u` (the amount held; `rid:0:0:0` for a hold that holds nothing).
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct Slot {
     keys: Vec<String>,
     expires: Vec<i64>,
@@ -239,6 +239,10 @@ impl Inner {
         let _g = self.connecting.lock().await;
         if let Some(c) = self.conn.load_full() {
             return Ok((*c).clone());
+        }
+        // The connect this call waited behind may have just failed: do not queue another.
+        if wall_ms() < self.down_until.load(Ordering::Acquire) {
+            return Err(StoreUnavailable);
         }
         let cfg = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(REDIS_TIMEOUT))
@@ -419,6 +423,16 @@ impl Inner {
         }
     }
 
+    /// The hold of a reservation `reserve.lua` made (or may have made) in `slot`.
+    fn hold(self: &Arc<Self>, slot: Slot) -> RedisHold {
+        RedisHold {
+            inner: self.clone(),
+            slot,
+            owed: false,
+            settled: false,
+        }
+    }
+
     #[allow(clippy::type_complexity)]
     async fn reserve(
         self: Arc<Self>,
@@ -447,6 +461,9 @@ impl Inner {
             Ok(r) => r,
             Err(e) => {
                 self.failed(&e);
+                // A timed-out reply does not mean the script did not run: release what it may
+                // hold (in the background, idempotent) instead of leaving it to the lease.
+                drop(self.hold(slot));
                 return Err(StoreUnavailable);
             }
         };
@@ -465,15 +482,7 @@ impl Inner {
                 .collect()
         };
         match reply.first() {
-            Some(1) => {
-                let hold = RedisHold {
-                    inner: self.clone(),
-                    slot,
-                    owed: false,
-                    settled: false,
-                };
-                Ok((Ok(hold), committed_from(1)))
-            }
+            Some(1) => Ok((Ok(self.hold(slot)), committed_from(1))),
             Some(0) if reply.len() >= 5 => {
                 let part = (reply[1].max(0) as usize).min(n.saturating_sub(1));
                 let dim = match reply[2] {
@@ -490,6 +499,7 @@ impl Inner {
             }
             _ => {
                 tracing::error!(?reply, "state: unexpected reply from the reserve script");
+                drop(self.hold(slot));
                 Err(StoreUnavailable)
             }
         }
@@ -562,23 +572,13 @@ impl RedisHold {
             );
         });
     }
-
-    fn take_slot(&mut self) -> Slot {
-        Slot {
-            keys: std::mem::take(&mut self.slot.keys),
-            expires: std::mem::take(&mut self.slot.expires),
-            member: std::mem::take(&mut self.slot.member),
-            rid_len: self.slot.rid_len,
-        }
-    }
 }
 
 impl SharedHold for RedisHold {
     fn settle(mut self: Box<Self>, actual: Amount) {
         if self.owed {
-            self.settled = true;
             let debt = Debt {
-                slot: self.take_slot(),
+                slot: std::mem::take(&mut self.slot),
                 actual,
             };
             self.inner.owe(debt);
@@ -597,7 +597,7 @@ impl Drop for RedisHold {
         self.settled = true;
         let hold = RedisHold {
             inner: self.inner.clone(),
-            slot: self.take_slot(),
+            slot: std::mem::take(&mut self.slot),
             owed: false,
             settled: false,
         };

@@ -31,8 +31,6 @@ pub struct BackendStats {
     /// Upstream attempts since start: successes, failures.
     pub ok: AtomicU64,
     pub failed: AtomicU64,
-    /// Sum of attempt latencies since start, µs.
-    pub latency_us: AtomicU64,
     /// Per minute: successes, failures, latency µs.
     pub recent: Recent<3, RECENT_MINUTES>,
     /// Committed tokens today (input, output), keyed by the day's start.
@@ -72,7 +70,6 @@ impl BackendStats {
             id,
             ok: AtomicU64::new(0),
             failed: AtomicU64::new(0),
-            latency_us: AtomicU64::new(0),
             recent: Recent::default(),
             tokens_day: Windowed::default(),
             cost_month: Windowed::default(),
@@ -85,7 +82,6 @@ impl BackendStats {
     /// passed through counts as an answer: the backend is healthy).
     pub fn attempt(&self, minute: i64, failure: Option<&str>, latency_ms: i64) {
         let us = (latency_ms.max(0) as u64).saturating_mul(1000);
-        self.latency_us.fetch_add(us, Ordering::Relaxed);
         self.m.duration.record(latency_ms.max(0) as f64 / 1000.0);
         match failure {
             None => {
