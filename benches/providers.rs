@@ -30,6 +30,8 @@ fn env() -> Envelope {
         model: "m".into(),
         created: 1,
         endpoint: Endpoint::Chat,
+        // The common case: the client did not ask for the usage chunk.
+        usage_nulls: false,
     }
 }
 
