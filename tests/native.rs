@@ -313,19 +313,6 @@ retry:
     )
 }
 
-/// Waits (bounded) until the mock has received a request; returns when the wait started.
-async fn until_called(up: &MockUpstream) -> std::time::Instant {
-    let t0 = std::time::Instant::now();
-    while up.hits() == 0 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "the upstream was never called"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    t0
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn adr_chain_fails_over_across_kinds() {
     keys();
@@ -397,9 +384,22 @@ async fn gemini_per_day_quota_opens_its_circuit_at_once() {
     // One failure, threshold 5: a per-day quota is an outage, not a blip.
     let c = sc.circuit("gemini");
     assert_eq!(format!("{:?}", c.state_at(now)), "Open");
+    // Gemini's daily quotas reset at midnight Pacific time.
+    let pacific = jiff::tz::TimeZone::get("America/Los_Angeles").unwrap();
+    let reset = jiff::Timestamp::from_millisecond(now)
+        .unwrap()
+        .to_zoned(pacific.clone())
+        .date()
+        .tomorrow()
+        .unwrap()
+        .to_zoned(pacific)
+        .unwrap()
+        .timestamp()
+        .as_millisecond();
     assert!(
-        c.open_until() - now > 60_000,
-        "held until the quota resets, not 30 s"
+        c.open_until() >= reset - 2_000,
+        "held until the quota resets ({reset}), not 30 s: {}",
+        c.open_until()
     );
     let (st, h, _) = post_json(&sc.chat_url(), &chat_body(false, false), &[]).await;
     assert_eq!(st, 200);
@@ -467,9 +467,9 @@ retry: {{same_backend_retries: 0}}
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_in_flight_spills_over_instead_of_queueing() {
     keys();
-    // Ollama holds its one slot for 800 ms; a second request meanwhile goes to Gemini.
+    // Ollama holds its one slot for 3 s; a second request meanwhile goes to Gemini.
     let ollama = MockUpstream::start_with_default(
-        vec![ollama_chat("slow local", 5, 2).delay(Duration::from_millis(800))],
+        vec![ollama_chat("slow local", 5, 2).delay(Duration::from_secs(3))],
         ollama_chat("local again", 5, 2),
     )
     .await;
@@ -488,7 +488,8 @@ async fn max_in_flight_spills_over_instead_of_queueing() {
         async move { post_json(&url, &chat_body(false, false), &[]).await }
     });
     // Wait until the slow call is in flight.
-    let t0 = until_called(&ollama).await;
+    let t0 = std::time::Instant::now();
+    assert_eq!(ollama.wait_for_hits(1, Duration::from_secs(5)).await, 1);
     assert_eq!(sc.running.app.transport.in_flight("ollama"), 1);
     let (st, h, b) = post_json(&url, &chat_body(false, false), &[]).await;
     assert_eq!(st, 200);
@@ -599,7 +600,7 @@ async fn a_stream_holds_its_in_flight_slot_until_it_ends() {
         let url = url.clone();
         async move { post_json_frames(&url, &chat_body(true, false), &[]).await }
     });
-    until_called(&ollama).await;
+    assert_eq!(ollama.wait_for_hits(1, Duration::from_secs(5)).await, 1);
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(
         sc.running.app.transport.in_flight("ollama"),

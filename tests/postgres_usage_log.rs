@@ -16,6 +16,7 @@ use common::sidecar::Sidecar;
 use common::try_post_json;
 use serde_json::{json as j, Value};
 use tokio::sync::Mutex;
+use tokio::task::JoinHandle;
 use tollgate::audit::Audit;
 
 const URL: &str = "postgres://postgres@127.0.0.1:5432/test";
@@ -282,11 +283,23 @@ impl Drop for KeepPostgresUp {
     }
 }
 
-/// Terminates the audit writer's backends every 20 ms until `done` reaches `n`; returns how
-/// many were killed.
-async fn kill_writers_until(done: &AtomicUsize, n: usize) -> usize {
+/// Whether the load `run` has sent fewer than `n` requests: it is still going. Fails after
+/// two minutes, and returns false when the run ended early (awaiting it shows why).
+fn still_short_of<T>(done: &AtomicUsize, n: usize, run: &JoinHandle<T>, t0: Instant) -> bool {
+    assert!(
+        t0.elapsed() < Duration::from_secs(120),
+        "the load stalled at {} of {n} requests",
+        done.load(Ordering::Relaxed)
+    );
+    done.load(Ordering::Relaxed) < n && !run.is_finished()
+}
+
+/// Terminates the audit writer's backends every 20 ms until `done` reaches `n` (or the load
+/// `run` ends); returns how many were killed.
+async fn kill_writers_until<T>(done: &AtomicUsize, n: usize, run: &JoinHandle<T>) -> usize {
     let mut kills = 0;
-    while done.load(Ordering::Relaxed) < n {
+    let t0 = Instant::now();
+    while still_short_of(done, n, run, t0) {
         if let Some(c) = client().await {
             if let Ok(r) = c
                 .query(
@@ -327,7 +340,8 @@ async fn postgres_usage_log_loses_no_row_when_postgres_restarts_mid_run() {
         .expect("postgres up before the test");
     let done = Arc::new(AtomicUsize::new(0));
     let run = tokio::spawn(load(sc.chat_url(), "restart", N, 4, done.clone()));
-    while done.load(Ordering::Relaxed) < N / 4 {
+    let t0 = Instant::now();
+    while still_short_of(&done, N / 4, &run, t0) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let at = done.load(Ordering::Relaxed);
@@ -338,7 +352,7 @@ async fn postgres_usage_log_loses_no_row_when_postgres_restarts_mid_run() {
     if !restarted {
         // No restart possible here: kill the writer's connections until the run ends.
         eprintln!("pg_ctlcluster restart unavailable; terminating the writer's backends instead");
-        kills = kill_writers_until(&done, N).await;
+        kills = kill_writers_until(&done, N, &run).await;
     }
     let after_restart = done.load(Ordering::Relaxed);
     let sent = run.await.expect("load run");
@@ -384,7 +398,7 @@ async fn postgres_usage_log_loses_no_row_when_its_connections_are_killed() {
     let (_up, sc, writer, spill) = start("kill", &table, Duration::from_millis(5)).await;
     let done = Arc::new(AtomicUsize::new(0));
     let run = tokio::spawn(load(sc.chat_url(), "kill", N, 4, done.clone()));
-    let kills = kill_writers_until(&done, N).await;
+    let kills = kill_writers_until(&done, N, &run).await;
     let sent = run.await.expect("load run");
     let ids = wait_rows(&table, N).await;
     eprintln!(
@@ -529,6 +543,9 @@ fn the_table_name_is_checked() {
         8,
         dir.path().join("s"),
     );
-    let e = r.err().map(|e| e.to_string()).unwrap_or_default();
+    let e = r
+        .err()
+        .expect("an out-of-range port is refused")
+        .to_string();
     assert!(!e.contains("s3cret"), "error echoes the password: {e}");
 }

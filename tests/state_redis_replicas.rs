@@ -222,6 +222,9 @@ async fn a_killed_replicas_reservations_end_with_the_lease() {
         tokio::spawn(async move { chat_at(&url).await });
     }
     assert_eq!(up.wait_for_hits(2, Duration::from_secs(10)).await, 2);
+    // Both reservations were made between t0 and now: their leases end within
+    // [t0 + lease, held_at + lease].
+    let held_at = Instant::now();
     let (_, held) = totals(REDIS, &n, "global").await;
     assert_eq!(held as u64, 2 * w, "a holds the whole budget");
     assert_eq!(
@@ -235,7 +238,7 @@ async fn a_killed_replicas_reservations_end_with_the_lease() {
     if t0.elapsed() < lease - Duration::from_millis(1000) {
         assert_eq!(chat(&b).await.0, 403, "still held within the lease");
     }
-    let until = t0 + lease + Duration::from_millis(300);
+    let until = held_at + lease + Duration::from_millis(300);
     tokio::time::sleep(until.saturating_duration_since(Instant::now())).await;
     let (status, reason, _) = chat(&b).await;
     assert_eq!(
@@ -249,9 +252,19 @@ async fn a_killed_replicas_reservations_end_with_the_lease() {
     cleanup(REDIS, &n).await;
 }
 
+/// A private redis-server, killed when dropped (also when a test fails midway).
+struct RedisServer(Child);
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// A private redis-server on `port` (the system one is shared by other tests).
-fn redis_server(port: u16, dir: &Path) -> Child {
-    Command::new("redis-server")
+fn redis_server(port: u16, dir: &Path) -> RedisServer {
+    let child = Command::new("redis-server")
         .args([
             "--port",
             &port.to_string(),
@@ -265,7 +278,8 @@ fn redis_server(port: u16, dir: &Path) -> Child {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .expect("redis-server is installed")
+        .expect("redis-server is installed");
+    RedisServer(child)
 }
 
 async fn wait_redis(url: &str) {
@@ -305,7 +319,7 @@ async fn redis_stopped_mid_run_follows_on_unavailable_and_recovers() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let url = format!("redis://127.0.0.1:{port}/");
-    let mut server = redis_server(port, dir.path());
+    let server = redis_server(port, dir.path());
     wait_redis(&url).await;
     let bounds = "quotas:\n  - {name: daily, scope: consumer, match: \"*\", window: day, limit_requests: 1000}";
     let deny = replica(
@@ -333,8 +347,7 @@ async fn redis_stopped_mid_run_follows_on_unavailable_and_recovers() {
     assert_eq!(readyz(&deny).await, 200);
 
     // Redis stops mid-run.
-    server.kill().unwrap();
-    let _ = server.wait();
+    drop(server);
     let (status, reason, retry_after) = until_status(&deny, 503).await;
     assert_eq!(
         (status, reason.as_str()),
@@ -366,7 +379,7 @@ async fn redis_stopped_mid_run_follows_on_unavailable_and_recovers() {
     );
 
     // Redis returns (empty: no persistence): both replicas use it again.
-    let mut server = redis_server(port, dir.path());
+    let server = redis_server(port, dir.path());
     wait_redis(&url).await;
     assert_eq!(until_status(&deny, 200).await.0, 200, "deny recovers");
     assert_eq!(readyz(&deny).await, 200, "ready again");
@@ -405,6 +418,5 @@ async fn redis_stopped_mid_run_follows_on_unavailable_and_recovers() {
         local.serve.log_text()
     );
     assert!(deny.serve.log_text().contains("Redis answers again"));
-    let _ = server.kill();
-    let _ = server.wait();
+    drop(server);
 }

@@ -7,7 +7,7 @@ use common::mock::{Answer, MockUpstream};
 use common::process::{free_port, Serve};
 use common::try_post_json;
 use serde_json::json as j;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const FLUSH_MS: u64 = 50;
 const QUOTA: usize = 3;
@@ -46,6 +46,21 @@ async fn chat(s: &Serve, consumer: &str) -> (u16, String) {
     (status, reason)
 }
 
+/// Requests committed to `consumer`'s counters in the state file (0 before the first flush).
+fn committed_requests(db: &std::path::Path, consumer: &str) -> i64 {
+    let Ok(c) =
+        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+    else {
+        return 0;
+    };
+    c.query_row(
+        "SELECT COALESCE(SUM(requests), 0) FROM state_counters WHERE scope = 'consumer' AND id = ?1",
+        [consumer],
+        |r| r.get(0),
+    )
+    .unwrap_or(0)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_keeps_the_days_quota() {
     let up = MockUpstream::start_with_default(vec![], Answer::ok_chat("ok", 5, 3)).await;
@@ -61,8 +76,16 @@ async fn kill_9_keeps_the_days_quota() {
         assert_eq!(chat(&s, "alice").await.0, 200, "request {i}");
     }
     assert_eq!(chat(&s, "alice").await, (403, "QUOTA_BLOCKED".into()));
-    // Past one flush interval (with room for a loaded machine), then no shutdown path at all.
-    tokio::time::sleep(Duration::from_millis(FLUSH_MS * 6)).await;
+    // Once the write-behind has committed alice's requests (one flush interval; polled, so a
+    // loaded machine only makes it slower), no shutdown path at all.
+    let t0 = Instant::now();
+    while committed_requests(&db, "alice") < QUOTA as i64 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the write-behind never committed alice's usage"
+        );
+        tokio::time::sleep(Duration::from_millis(FLUSH_MS / 5)).await;
+    }
     s.kill9();
 
     let s = Serve::start(&path, port, admin, &log).await;
