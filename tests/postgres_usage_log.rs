@@ -543,9 +543,6 @@ fn the_table_name_is_checked() {
         8,
         dir.path().join("s"),
     );
-    let e = r
-        .err()
-        .expect("an out-of-range port is refused")
-        .to_string();
+    let e = r.expect_err("an out-of-range port is refused").to_string();
     assert!(!e.contains("s3cret"), "error echoes the password: {e}");
 }
