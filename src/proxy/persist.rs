@@ -142,6 +142,25 @@ state: {{backend: sqlite, path: '{}', flush_interval: 10s}}
             .governor
             .circuit(&Arc::from("primary"))
             .on_failure(now, &cfg, None, None));
+        let day = crate::ledger::CounterKey {
+            scope: crate::units::Scope::Consumer,
+            id: Arc::from("alice"),
+            window: Some(crate::ledger::window_at(
+                &jiff::tz::TimeZone::UTC,
+                crate::units::Window::Day,
+                now,
+            )),
+        };
+        let used = crate::units::Amount {
+            tokens: 42,
+            requests: 1,
+            usd: 7,
+        };
+        first
+            .governor
+            .ledger
+            .counter(&day, now + 3_600_000)
+            .add_committed(&used);
         // The flush on finish (the interval is far away) writes it.
         first.finish().await;
 
@@ -150,6 +169,12 @@ state: {{backend: sqlite, path: '{}', flush_interval: 10s}}
         assert_eq!(c.state_at(now + 1), CircuitState::Open);
         assert_eq!(c.open_until(), now + 600_000);
         assert_eq!(c.consecutive_failures(), 1);
+        let back = second
+            .governor
+            .ledger
+            .get(&day)
+            .expect("the counter came back");
+        assert_eq!(back.committed(), used);
         second.finish().await;
     }
 }

@@ -495,7 +495,9 @@ mod tests {
             .add_committed(&amt(50, 1, 10));
         ledger.counter(&job, i64::MAX).add_committed(&amt(7, 1, 0));
         // A counter with only a reservation and nothing committed is not written.
-        let _held = ledger.counter(&idle, now + 3_600_000);
+        let held = ledger.counter(&idle, now + 3_600_000);
+        held.try_reserve(&amt(500, 1, 0), &[None; 3]).unwrap();
+        assert_eq!(held.reserved(), amt(500, 1, 0));
         let _ = ledger.job(&Arc::from("job-1"), now);
         ledger.set_job(Arc::from("job-1"), 2, 1, now);
         let circuits = vec![CircuitRow {
