@@ -55,8 +55,8 @@ pub struct UsageArgs {
     #[arg(long, conflicts_with = "postgres")]
     pub db: Option<PathBuf>,
     /// Read Postgres at this URL (default: the policy's audit.postgres_url when audit.sink is
-    /// postgres).
-    #[arg(long)]
+    /// postgres). From the environment, a password stays out of `ps` and shell history.
+    #[arg(long, env = "TOLLGATE_USAGE_POSTGRES_URL", hide_env_values = true)]
     pub postgres: Option<String>,
     /// The usage-log table (default: the policy's audit.table).
     #[arg(long)]

@@ -235,6 +235,22 @@ async fn postgres_usage_log_has_one_row_per_request_of_a_load_run() {
     assert_eq!(p["output_tokens_today"], (N as u64 * COMPLETION) as i64);
     assert!((p["cost_usd_month"].as_f64().unwrap() - 0.013 * N as f64).abs() < 1e-6);
     assert_eq!(v["consumers"][0]["name"], "loader");
+    // The URL from the environment instead (a password kept out of argv): the same answer.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args([
+            "usage",
+            "--policy",
+            "policies/default.yaml",
+            "--table",
+            &table,
+            "--json",
+        ])
+        .env_remove("TOLLGATE_POLICY")
+        .env("TOLLGATE_USAGE_POSTGRES_URL", URL)
+        .output()
+        .expect("run tollgate usage");
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(serde_json::from_slice::<Value>(&out.stdout).unwrap(), v);
 
     stop(sc, writer).await;
     assert!(
