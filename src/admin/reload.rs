@@ -155,17 +155,7 @@ pub fn fingerprint(path: &Path) -> std::io::Result<u64> {
         std::fs::read(path)?.hash(&mut h);
         return Ok(h.finish());
     }
-    let mut files = Vec::new();
-    for entry in std::fs::read_dir(path)? {
-        let entry = entry?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let is_yaml = name.ends_with(".yaml") || name.ends_with(".yml");
-        if is_yaml && !name.starts_with('.') && entry.path().is_file() {
-            files.push((name, entry.path()));
-        }
-    }
-    files.sort();
-    for (name, p) in files {
+    for (name, p) in crate::policy::policy_files(path)? {
         name.hash(&mut h);
         std::fs::read(p)?.hash(&mut h);
     }

@@ -22,6 +22,7 @@ mod tests;
 
 pub use error::{PolicyError, PolicyErrors};
 pub use raw::parse_duration;
+pub(crate) use source::policy_files;
 pub use types::*;
 
 use crate::units::Micros;

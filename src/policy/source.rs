@@ -64,6 +64,23 @@ impl Source {
     }
 }
 
+/// The policy files of a directory: every visible `*.yaml`/`*.yml` (following symlinks:
+/// ConfigMap keys are links into `..data/`), as (name, path), sorted by name. The one rule
+/// both the loader and the reload watcher use.
+pub(crate) fn policy_files(dir: &Path) -> std::io::Result<Vec<(String, std::path::PathBuf)>> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let is_yaml = name.ends_with(".yaml") || name.ends_with(".yml");
+        if is_yaml && !name.starts_with('.') && entry.path().is_file() {
+            files.push((name, entry.path()));
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
 /// Reads a policy file, or every visible `*.yaml`/`*.yml` in a directory, sorted by name.
 pub(crate) fn read_sources(path: &Path) -> Result<Vec<Source>, PolicyErrors> {
     let shown = path.display().to_string();
@@ -76,22 +93,12 @@ pub(crate) fn read_sources(path: &Path) -> Result<Vec<Source>, PolicyErrors> {
             base: Vec::new(),
         }]);
     }
-    let mut files = Vec::new();
-    for entry in std::fs::read_dir(path).map_err(|e| io_err(&shown, e))? {
-        let entry = entry.map_err(|e| io_err(&shown, e))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let is_yaml = name.ends_with(".yaml") || name.ends_with(".yml");
-        // `is_file` follows symlinks: ConfigMap keys are links into `..data/`.
-        if is_yaml && !name.starts_with('.') && entry.path().is_file() {
-            files.push((name, entry.path()));
-        }
-    }
+    let files = policy_files(path).map_err(|e| io_err(&shown, e))?;
     if files.is_empty() {
         return Err(
             PolicyError::new(shown, None, "", "no *.yaml or *.yml files in directory").into(),
         );
     }
-    files.sort();
     let mut out = Vec::new();
     let mut errs = Vec::new();
     for (_, p) in files {
