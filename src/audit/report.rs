@@ -3,6 +3,7 @@
 //! periods of `windows.timezone`, the same boundaries the quotas turn over at.
 
 use super::row::format_utc;
+use crate::units::Window;
 use jiff::{civil::Date, tz::TimeZone, Timestamp};
 use serde::Serialize;
 use std::path::Path;
@@ -26,16 +27,15 @@ pub struct Report {
     pub consumers: Vec<Totals>,
 }
 
-/// The start of `now`'s day and month in `tz`, as instants, and the local date.
+/// The start of `now`'s day and month in `tz`, as instants (the quotas' own windows), and
+/// the local date.
 pub fn periods(now: Timestamp, tz: &TimeZone) -> Result<(Timestamp, Timestamp, Date), String> {
-    let local = now.to_zoned(tz.clone());
-    let day = local.date();
-    let start = |d: Date| {
-        d.to_zoned(tz.clone())
-            .map(|z| z.timestamp())
-            .map_err(|e| e.to_string())
+    let start = |w: Window| {
+        let k = crate::ledger::window_at(tz, w, now.as_millisecond());
+        Timestamp::from_second(k.start).map_err(|e| e.to_string())
     };
-    Ok((start(day)?, start(day.first_of_month())?, day))
+    let day = now.to_zoned(tz.clone()).date();
+    Ok((start(Window::Day)?, start(Window::Month)?, day))
 }
 
 fn report(tz_name: &str, day: Date, providers: Vec<Totals>, consumers: Vec<Totals>) -> Report {
