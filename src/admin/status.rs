@@ -147,7 +147,8 @@ pub fn status(app: &App, ops: &Ops) -> Value {
     let now_ms = now.as_millisecond();
     let minute = now_ms.div_euclid(60_000);
     let tel = crate::telemetry::global();
-    let uw = tel.usage_windows(now_ms);
+    let uw: crate::telemetry::stats::UsageWindows =
+        app.governor.windows_at(&policy.windows, now_ms).into();
 
     let mut backends = Vec::new();
     let mut tokens_today = serde_json::Map::new();

@@ -391,13 +391,17 @@ fn upstream_response(
 }
 
 async fn finish(app: &App, endpoint: Endpoint, record: Record, t0: Instant) {
+    let now = jiff::Timestamp::now();
     let entry = Entry {
-        ts: jiff::Timestamp::now().to_string(),
+        ts: now.to_string(),
         endpoint: endpoint_name(endpoint),
         latency_ms: t0.elapsed().as_secs_f64() * 1000.0,
         record,
     };
-    crate::telemetry::observe(&entry);
+    let windows = app
+        .governor
+        .windows_at(&app.snap.load().policy.windows, now.as_millisecond());
+    crate::telemetry::observe(&entry, windows);
     app.audit.record(entry).await;
 }
 

@@ -131,13 +131,15 @@ impl Metered {
             End::ClientGone => record.error = Some("client disconnected mid-stream".into()),
             End::Complete => {}
         }
+        let now = jiff::Timestamp::now();
         let entry = Entry {
-            ts: jiff::Timestamp::now().to_string(),
+            ts: now.to_string(),
             endpoint,
             latency_ms: started.elapsed().as_secs_f64() * 1000.0,
             record,
         };
-        crate::telemetry::observe_stream(&entry);
+        let windows = governor.windows_at(&policy.windows, now.as_millisecond());
+        crate::telemetry::observe_stream(&entry, windows);
         // Drop may run outside an async context: hand the record to a task when we can.
         match tokio::runtime::Handle::try_current() {
             Ok(h) => {

@@ -15,7 +15,6 @@ use crate::audit::Entry;
 use crate::governor::{FinalAction, ReasonClass};
 use crate::ledger::WindowSet;
 use crate::policy::Policy;
-use arc_swap::ArcSwapOption;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use names::*;
 use stats::{Stats, UsageWindows};
@@ -30,20 +29,11 @@ pub struct Telemetry {
     /// `None` when another global recorder was installed first (metrics then go there).
     handle: Option<PrometheusHandle>,
     pub stats: Stats,
-    /// Time zone of the policy in force (for "today" and "this month") and its windows.
-    zone: ArcSwapOption<Zone>,
     pub alerts: alerts::Alerts,
     /// `tollgate_decisions_total` per (action, reason), resolved once: index
     /// `action × ReasonClass::ALL.len() + reason`. All series exist from the start, at 0.
     decisions: Vec<metrics::Counter>,
     overhead: metrics::Histogram,
-}
-
-struct Zone {
-    name: String,
-    tz: jiff::tz::TimeZone,
-    /// Cached until the minute turns.
-    set: ArcSwapOption<WindowSet>,
 }
 
 static GLOBAL: OnceLock<Telemetry> = OnceLock::new();
@@ -63,7 +53,6 @@ pub fn global() -> &'static Telemetry {
         Telemetry {
             handle,
             stats: Stats::default(),
-            zone: ArcSwapOption::empty(),
             alerts: alerts::Alerts::default(),
             decisions,
             overhead: metrics::histogram!(TOLLGATE_OVERHEAD_SECONDS),
@@ -110,47 +99,10 @@ fn install() -> Option<PrometheusHandle> {
 }
 
 impl Telemetry {
-    /// Adopts what the telemetry reads from a policy now in force: the time zone of "today"
-    /// and "this month", and where alerts go. Called at start and after each good reload.
+    /// Adopts what the telemetry reads from a policy now in force: where alerts go. Called
+    /// at start and after each good reload.
     pub fn configure(&self, policy: &Policy) {
-        let same_zone = self
-            .zone
-            .load()
-            .as_ref()
-            .is_some_and(|z| z.name == policy.windows.timezone_name);
-        if !same_zone {
-            self.zone.store(Some(Arc::new(Zone {
-                name: policy.windows.timezone_name.clone(),
-                tz: policy.windows.timezone.clone(),
-                set: ArcSwapOption::empty(),
-            })));
-        }
         self.alerts.configure(&policy.alerts);
-    }
-
-    /// The calendar windows at `now` (ms) in the configured zone (UTC before any policy).
-    pub fn windows(&self, now: i64) -> WindowSet {
-        let zone = self.zone.load();
-        let Some(z) = zone.as_ref() else {
-            return WindowSet::at(&jiff::tz::TimeZone::UTC, now);
-        };
-        if let Some(s) = &*z.set.load() {
-            if s.holds_at(now) {
-                return **s;
-            }
-        }
-        let s = WindowSet::at(&z.tz, now);
-        z.set.store(Some(Arc::new(s)));
-        s
-    }
-
-    /// Starts of today and this month at `now`.
-    pub fn usage_windows(&self, now: i64) -> UsageWindows {
-        let w = self.windows(now);
-        UsageWindows {
-            day: w.key(crate::units::Window::Day).start,
-            month: w.key(crate::units::Window::Month).start,
-        }
     }
 
     /// The Prometheus text of every metric (empty when another recorder is installed).
@@ -161,18 +113,30 @@ impl Telemetry {
     }
 }
 
-/// Records the metrics of a finished request whose answer was buffered (or refused).
-pub fn observe(entry: &Entry) {
-    record(entry, true);
+/// "Today" and "this month" of a policy's calendar windows (the governor's, cached:
+/// `Governor::windows_at`).
+impl From<WindowSet> for UsageWindows {
+    fn from(w: WindowSet) -> Self {
+        UsageWindows {
+            day: w.key(crate::units::Window::Day).start,
+            month: w.key(crate::units::Window::Month).start,
+        }
+    }
+}
+
+/// Records the metrics of a finished request whose answer was buffered (or refused);
+/// `windows` are the calendar windows of now in the policy's zone.
+pub fn observe(entry: &Entry, windows: WindowSet) {
+    record(entry, true, windows.into());
 }
 
 /// Records the metrics of a finished stream. Its wall time includes the streaming itself,
 /// so it says nothing about the sidecar's overhead and is left out of that histogram.
-pub fn observe_stream(entry: &Entry) {
-    record(entry, false);
+pub fn observe_stream(entry: &Entry, windows: WindowSet) {
+    record(entry, false, windows.into());
 }
 
-fn record(entry: &Entry, overhead: bool) {
+fn record(entry: &Entry, overhead: bool, today: UsageWindows) {
     let t = global();
     let rec = &entry.record;
     let a = FinalAction::ALL.iter().position(|x| *x == rec.final_action);
@@ -212,7 +176,7 @@ fn record(entry: &Entry, overhead: bool) {
             .clone()
             .unwrap_or_else(|| Arc::from("unknown"));
         t.stats.backend(&rec.backend).usage(
-            t.usage_windows(now),
+            today,
             &model,
             rec.actual_input_tokens,
             rec.actual_output_tokens,
@@ -269,11 +233,13 @@ mod tests {
             latency_ms: 3.2,
             record: rec,
         };
-        observe(&entry);
+        // The windows come from the governor's cache on the request path.
+        let w = WindowSet::at(&jiff::tz::TimeZone::UTC, 1_800_000_000_000);
+        observe(&entry, w);
         let n = 200_000;
         let t0 = std::time::Instant::now();
         for _ in 0..n {
-            observe(&entry);
+            observe(&entry, w);
         }
         let per = t0.elapsed().as_nanos() as f64 / n as f64;
         eprintln!("observe: {per:.0} ns per request");
