@@ -32,6 +32,20 @@ pub enum Scope {
 }
 
 impl Scope {
+    pub const ALL: [Scope; 6] = [
+        Scope::Request,
+        Scope::Job,
+        Scope::Consumer,
+        Scope::Backend,
+        Scope::Model,
+        Scope::Global,
+    ];
+
+    /// The inverse of [`Scope::as_str`].
+    pub fn parse(s: &str) -> Option<Scope> {
+        Scope::ALL.into_iter().find(|x| x.as_str() == s)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Scope::Request => "request",
@@ -67,6 +81,13 @@ pub enum Window {
 }
 
 impl Window {
+    pub const ALL: [Window; 4] = [Window::Minute, Window::Hour, Window::Day, Window::Month];
+
+    /// The inverse of [`Window::as_str`].
+    pub fn parse(s: &str) -> Option<Window> {
+        Window::ALL.into_iter().find(|x| x.as_str() == s)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Window::Minute => "minute",

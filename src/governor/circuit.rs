@@ -200,11 +200,7 @@ impl Circuit {
     /// opens the circuit now, held for at least `hold_ms` when `accept_retry_after` is on.
     pub fn open_for(&self, now: Millis, cfg: &CircuitCfg, probe: Option<ProbeSlot>, hold_ms: i64) {
         self.failures.fetch_add(1, Ordering::AcqRel);
-        let mut hold = cfg.recovery_timeout.as_millis() as i64;
-        if cfg.accept_retry_after {
-            hold = hold.max(hold_ms);
-        }
-        let until = now.saturating_add(hold);
+        let until = now.saturating_add(hold(cfg, hold_ms));
         if self.raw_state() != CircuitState::Open {
             self.opened_at.store(now, Ordering::Release);
         }
@@ -230,10 +226,7 @@ impl Circuit {
         let was_probe = probe.is_some() || self.raw_state() == CircuitState::HalfOpen;
         let trip = was_probe || failures >= cfg.failure_threshold.max(1);
         if trip && self.raw_state() != CircuitState::Open {
-            let mut hold = cfg.recovery_timeout.as_millis() as i64;
-            if cfg.accept_retry_after {
-                hold = hold.max(retry_after_ms.unwrap_or(0));
-            }
+            let hold = hold(cfg, retry_after_ms.unwrap_or(0));
             self.opened_at.store(now, Ordering::Release);
             self.open_until
                 .store(now.saturating_add(hold), Ordering::Release);
@@ -244,5 +237,16 @@ impl Circuit {
         }
         drop(probe);
         false
+    }
+}
+
+/// How long an opening holds: the recovery timeout, or what the backend asked for (a
+/// Retry-After, a quota's reset) when longer and the policy accepts it.
+fn hold(cfg: &CircuitCfg, asked_ms: i64) -> i64 {
+    let recovery = cfg.recovery_timeout.as_millis() as i64;
+    if cfg.accept_retry_after {
+        recovery.max(asked_ms)
+    } else {
+        recovery
     }
 }

@@ -63,7 +63,7 @@ impl V<'_> {
         let p = |k: &str| format!("{path}.{k}");
         let name = self.required(f, p("name"), h.name.as_ref().map(|t| t.0.as_str()));
         let scope = match h.scope {
-            Some(s) => self.one_of(f, &p("scope"), s, &SCOPES),
+            Some(s) => self.one_of(f, &p("scope"), s, &Scope::ALL.map(|x| (x.as_str(), x))),
             None => self.err(
                 f,
                 p("scope"),
@@ -94,7 +94,7 @@ impl V<'_> {
             (Some(_), Some(s @ (Scope::Request | Scope::Job))) => self.err(f, p("window"), format!("a {s}-scoped bound has no window: its counter lives as long as the job")),
             (None, Some(Scope::Request | Scope::Job)) => None,
             (None, Some(s)) => self.err(f, p("window"), format!("a {s}-scoped bound needs a window (minute, hour, day or month); only request and job bounds have none")),
-            (Some(w), Some(_)) => self.one_of(f, &p("window"), w, &WINDOWS),
+            (Some(w), Some(_)) => self.one_of(f, &p("window"), w, &Window::ALL.map(|x| (x.as_str(), x))),
         };
         (name, scope.unwrap_or(Scope::Global), matcher, window)
     }
@@ -227,18 +227,3 @@ impl V<'_> {
         }
     }
 }
-
-const SCOPES: [(&str, Scope); 6] = [
-    ("request", Scope::Request),
-    ("job", Scope::Job),
-    ("consumer", Scope::Consumer),
-    ("backend", Scope::Backend),
-    ("model", Scope::Model),
-    ("global", Scope::Global),
-];
-const WINDOWS: [(&str, Window); 4] = [
-    ("minute", Window::Minute),
-    ("hour", Window::Hour),
-    ("day", Window::Day),
-    ("month", Window::Month),
-];

@@ -15,8 +15,6 @@ pub mod sqlite;
 pub use redis::RedisStore;
 pub use sqlite::{Persister, SqliteStore};
 
-use crate::units::{Scope, Window};
-
 /// A circuit breaker's persisted state (the governor's `Circuit` in plain values).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CircuitRow {
@@ -32,25 +30,3 @@ pub struct CircuitRow {
 #[derive(Debug, thiserror::Error)]
 #[error("state: {0}")]
 pub struct StateError(pub String);
-
-pub(crate) fn scope_from(s: &str) -> Option<Scope> {
-    Some(match s {
-        "request" => Scope::Request,
-        "job" => Scope::Job,
-        "consumer" => Scope::Consumer,
-        "backend" => Scope::Backend,
-        "model" => Scope::Model,
-        "global" => Scope::Global,
-        _ => return None,
-    })
-}
-
-pub(crate) fn window_from(s: &str) -> Option<Window> {
-    Some(match s {
-        "minute" => Window::Minute,
-        "hour" => Window::Hour,
-        "day" => Window::Day,
-        "month" => Window::Month,
-        _ => return None,
-    })
-}

@@ -11,9 +11,9 @@
 //! loss may also lose the last transactions. Reservations in flight are never persisted
 //! (they were not committed), so calls in flight at a crash are not counted.
 
-use super::{scope_from, window_from, CircuitRow, StateError};
+use super::{CircuitRow, StateError};
 use crate::ledger::{CounterKey, Ledger, WindowKey};
-use crate::units::{Amount, Millis};
+use crate::units::{Amount, Millis, Scope, Window};
 use rusqlite::{params, Connection};
 use std::collections::HashMap;
 use std::path::Path;
@@ -142,13 +142,13 @@ impl SqliteStore {
             .map_err(err)?;
         for row in rows {
             let (scope, id, window, start, expires, amt) = row.map_err(err)?;
-            let Some(scope) = scope_from(&scope) else {
+            let Some(scope) = Scope::parse(&scope) else {
                 tracing::warn!(%scope, "state: skipping a counter with an unknown scope");
                 continue;
             };
             let window = if window.is_empty() {
                 None
-            } else if let Some(w) = window_from(&window) {
+            } else if let Some(w) = Window::parse(&window) {
                 Some(WindowKey { window: w, start })
             } else {
                 tracing::warn!(%window, "state: skipping a counter with an unknown window");
