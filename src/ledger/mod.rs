@@ -220,6 +220,20 @@ impl Ledger {
         }
     }
 
+    /// Calls `f(id, attempts, fallbacks, last seen)` for every job ledger, in place (no copy).
+    /// Not for the request path.
+    pub fn for_each_job(&self, mut f: impl FnMut(&Arc<str>, u32, u32, Millis)) {
+        for e in self.jobs.iter() {
+            let j = e.value();
+            f(e.key(), j.attempts(), j.fallbacks(), j.last_seen());
+        }
+    }
+
+    /// Whether a job ledger exists for `id`.
+    pub fn has_job(&self, id: &str) -> bool {
+        self.jobs.contains_key(id)
+    }
+
     /// Every job ledger: (id, attempts, fallbacks, last seen). Not for the request path.
     pub fn jobs_snapshot(&self) -> Vec<(Arc<str>, u32, u32, Millis)> {
         self.jobs

@@ -1,9 +1,9 @@
 //! SQLite persistence: WAL mode, `synchronous=NORMAL`, a write-behind thread.
 //!
 //! The request path never touches SQLite and gains no lock or flag: every `flush_interval`
-//! the thread scans the ledger (`snapshot`, `jobs_snapshot`) and the circuits, compares each
-//! against what it last wrote, and writes only what changed (upserts, and deletes of what is
-//! gone from memory) in ONE transaction. On a graceful stop it flushes once more.
+//! the thread scans the ledger in place (`for_each_counter`, `for_each_job`) and the
+//! circuits, compares each against what it last wrote, and writes only what changed (upserts,
+//! and deletes of what is gone from memory) in ONE transaction. On a graceful stop it flushes once more.
 //!
 //! Loss bound after `kill -9`: commits made after the last flush's scan, i.e. at most one
 //! `flush_interval` plus one flush's duration. With WAL and `synchronous=NORMAL` a committed
@@ -238,20 +238,17 @@ impl SqliteStore {
             .cloned()
             .collect();
 
-        let jobs = ledger.jobs_snapshot();
         let mut up_j = Vec::new();
-        let mut seen_j = std::collections::HashSet::new();
-        for (id, a, f, seen) in jobs {
-            if self.written.jobs.get(&id) != Some(&(a, f, seen)) {
+        ledger.for_each_job(|id, a, f, seen| {
+            if self.written.jobs.get(id) != Some(&(a, f, seen)) {
                 up_j.push((id.clone(), a, f, seen));
             }
-            seen_j.insert(id);
-        }
+        });
         let del_j: Vec<Arc<str>> = self
             .written
             .jobs
             .keys()
-            .filter(|k| !seen_j.contains(*k))
+            .filter(|k| !ledger.has_job(k))
             .cloned()
             .collect();
 
