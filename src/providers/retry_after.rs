@@ -6,12 +6,8 @@ use http::HeaderMap;
 
 /// The delay in ms, if the response states one. `now_ms` resolves HTTP-dates.
 pub fn from_headers(h: &HeaderMap, now_ms: i64) -> Option<i64> {
-    if let Some(ms) = h.get("retry-after-ms").and_then(|v| v.to_str().ok()) {
-        if let Ok(v) = ms.trim().parse::<f64>() {
-            if v.is_finite() && v >= 0.0 {
-                return Some(v.round() as i64);
-            }
-        }
+    if let Some(ms) = ms_header(h, "retry-after-ms") {
+        return Some(ms);
     }
     let v = h.get(http::header::RETRY_AFTER)?.to_str().ok()?.trim();
     parse_retry_after(v, now_ms)
@@ -48,13 +44,13 @@ fn parse_proto_duration(s: &str) -> Option<i64> {
 
 /// Azure's `x-ms-retry-after-ms`.
 pub fn from_azure_header(h: &HeaderMap) -> Option<i64> {
-    let v: f64 = h
-        .get("x-ms-retry-after-ms")?
-        .to_str()
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
+    ms_header(h, "x-ms-retry-after-ms")
+}
+
+/// A header holding a delay in (fractional) milliseconds; `None` when absent or not a
+/// finite, non-negative number.
+fn ms_header(h: &HeaderMap, name: &str) -> Option<i64> {
+    let v: f64 = h.get(name)?.to_str().ok()?.trim().parse().ok()?;
     (v.is_finite() && v >= 0.0).then(|| v.round() as i64)
 }
 
