@@ -310,21 +310,8 @@ state: {{backend: redis, redis_url: 'redis://127.0.0.1:1', on_unavailable: {on_u
             .unwrap();
         assert_eq!(consumer.1, shared, "committed mirrors the store");
         assert_eq!(consumer.2.tokens, 30, "the worst case is held locally too");
-        let Served::Upstream { pending, .. } = out.served else {
-            panic!("served")
-        };
-        let mut rec = out.record;
-        let usage = Usage {
-            input_tokens: 10,
-            output_tokens: 5,
-        };
-        g.settle(&p, &mut rec, pending, usage, UsageEvidence::Actual);
-        let actual = Amount {
-            tokens: 15,
-            requests: 1,
-            usd: 0,
-        };
-        assert_eq!(log.lock().unwrap().settled, vec![Some(actual)]);
+        settle_10_in_5_out(&g, &p, out);
+        assert_eq!(log.lock().unwrap().settled, vec![Some(SETTLED)]);
     }
 
     #[tokio::test]
@@ -346,6 +333,26 @@ state: {{backend: redis, redis_url: 'redis://127.0.0.1:1', on_unavailable: {on_u
             vec![None],
             "released, not committed"
         );
+    }
+
+    /// What `settle_10_in_5_out` commits.
+    const SETTLED: Amount = Amount {
+        tokens: 15,
+        requests: 1,
+        usd: 0,
+    };
+
+    /// Settles a served outcome with 10 input and 5 output tokens.
+    fn settle_10_in_5_out(g: &Governor, p: &Policy, out: Outcome<()>) {
+        let Served::Upstream { pending, .. } = out.served else {
+            panic!("served")
+        };
+        let mut rec = out.record;
+        let usage = Usage {
+            input_tokens: 10,
+            output_tokens: 5,
+        };
+        g.settle(p, &mut rec, pending, usage, UsageEvidence::Actual);
     }
 
     async fn log_of(answer: Answer, mode: &str) -> Log {
@@ -376,21 +383,8 @@ state: {{backend: redis, redis_url: 'redis://127.0.0.1:1', on_unavailable: {on_u
             log.lock().unwrap().owed,
             vec![vec![Scope::Consumer, Scope::Job]]
         );
-        let Served::Upstream { pending, .. } = out.served else {
-            panic!("served")
-        };
-        let mut rec = out.record;
-        let usage = Usage {
-            input_tokens: 10,
-            output_tokens: 5,
-        };
-        g.settle(&p, &mut rec, pending, usage, UsageEvidence::Actual);
-        let actual = Amount {
-            tokens: 15,
-            requests: 1,
-            usd: 0,
-        };
-        assert_eq!(log.lock().unwrap().settled, vec![Some(actual)]);
+        settle_10_in_5_out(&g, &p, out);
+        assert_eq!(log.lock().unwrap().settled, vec![Some(SETTLED)]);
         // Locally, the hard limits still hold.
         let (_, out, _, _) = run(Answer::Down, "local", 20).await;
         assert_eq!(out.record.reason_class, ReasonClass::HardBudgetExceeded);
