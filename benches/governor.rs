@@ -77,6 +77,7 @@ fn bench(c: &mut Criterion) {
                     request_id: jobs[i % 1024].clone(),
                     job_id: jobs[i % 1024].clone(),
                     consumer: consumers[i % 16].clone(),
+                    team: None,
                     input_tokens: 500,
                     max_output_tokens: Some(500),
                     n: 1,

@@ -19,6 +19,18 @@ pub fn micros_to_usd(m: Micros) -> f64 {
     m as f64 / 1_000_000.0
 }
 
+/// Longest id accepted for a consumer, team or job.
+pub const MAX_ID: usize = 128;
+
+/// Whether `s` can be a consumer, team or job id: 1-128 of `A-Z a-z 0-9 - _ . : @ /`.
+pub fn valid_id(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= MAX_ID
+        && s.bytes().all(|b| {
+            b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':' | b'@' | b'/')
+        })
+}
+
 /// Who a counter belongs to (SPEC §4 "Scopes").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -26,16 +38,19 @@ pub enum Scope {
     Request,
     Job,
     Consumer,
+    /// The team a virtual key names (SPEC §4): counted beside the consumer's own bounds.
+    Team,
     Backend,
     Model,
     Global,
 }
 
 impl Scope {
-    pub const ALL: [Scope; 6] = [
+    pub const ALL: [Scope; 7] = [
         Scope::Request,
         Scope::Job,
         Scope::Consumer,
+        Scope::Team,
         Scope::Backend,
         Scope::Model,
         Scope::Global,
@@ -51,6 +66,7 @@ impl Scope {
             Scope::Request => "request",
             Scope::Job => "job",
             Scope::Consumer => "consumer",
+            Scope::Team => "team",
             Scope::Backend => "backend",
             Scope::Model => "model",
             Scope::Global => "global",

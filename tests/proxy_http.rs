@@ -39,10 +39,11 @@ fn hdr<'a>(h: &'a HeaderMap, name: &str) -> &'a str {
         .unwrap_or_else(|| panic!("missing header {name}: {h:?}"))
 }
 
-fn job_key(id: &str) -> CounterKey {
+/// The counter of `consumer`'s job `id` (job ledgers belong to a consumer).
+fn job_key(consumer: &str, id: &str) -> CounterKey {
     CounterKey {
         scope: Scope::Job,
-        id: Arc::from(id),
+        id: tollgate::ledger::job_key(consumer, id),
         window: None,
     }
 }
@@ -235,8 +236,10 @@ async fn replay(name: &str) -> Replayed {
     );
     for s in &sc.state.usage {
         assert!(s.at.is_none(), "{name}: `at` seeds are not replayed here");
+        let owner = req.consumer.as_deref().unwrap_or("default");
         let id: Arc<str> = match (s.scope, &s.id) {
             (Scope::Global, _) => Arc::from("global"),
+            (Scope::Job, id) => tollgate::ledger::job_key(owner, id.as_deref().unwrap_or(&job)),
             (_, Some(id)) => Arc::from(id.as_str()),
             (_, None) => Arc::from(job.as_str()),
         };
@@ -258,8 +261,17 @@ async fn replay(name: &str) -> Replayed {
             });
     }
     for js in &sc.state.jobs {
-        gov.ledger
-            .set_job(Arc::from(js.id.as_str()), js.attempts, js.fallbacks, now);
+        let owner = js
+            .consumer
+            .as_deref()
+            .or(req.consumer.as_deref())
+            .unwrap_or("default");
+        gov.ledger.set_job(
+            tollgate::ledger::job_key(owner, &js.id),
+            js.attempts,
+            js.fallbacks,
+            now,
+        );
     }
     for c in &sc.state.circuits {
         let state = match c.state.as_str() {
@@ -434,7 +446,7 @@ async fn scenario_01_baseline_allowed() {
     assert_eq!(r.status, 200);
     assert_eq!(hdr(&r.headers, "x-tollgate-backend"), "primary");
     // The provider's usage (480 + 320) is what is committed, on the job and the consumer's day.
-    assert_eq!(r.sidecar.committed(&job_key(&r.job)).tokens, 800);
+    assert_eq!(r.sidecar.committed(&job_key("alice", &r.job)).tokens, 800);
     let tz = r
         .sidecar
         .running
@@ -511,8 +523,8 @@ async fn scenario_03_retry_budget_exhausted_with_retry_after() {
     assert_eq!(r.audit["job_attempts"], 2);
     assert_eq!(r.mocks["primary"].hits(), 1);
     // The failed call consumed nothing: the job counter is back to its seed.
-    assert_eq!(r.sidecar.committed(&job_key("J3")).tokens, 22000);
-    assert_eq!(r.sidecar.reserved(&job_key("J3")).tokens, 0);
+    assert_eq!(r.sidecar.committed(&job_key("alice", "J3")).tokens, 22000);
+    assert_eq!(r.sidecar.reserved(&job_key("alice", "J3")).tokens, 0);
     r.sidecar.stop().await;
 }
 
@@ -529,7 +541,7 @@ async fn scenario_04_circuit_open() {
 async fn scenario_05_actual_crosses_soft_budget() {
     let r = replay("05-actual-crosses-soft-budget.yaml").await;
     // 19000 seeded + the actual 600 + 800.
-    assert_eq!(r.sidecar.committed(&job_key("J5")).tokens, 20400);
+    assert_eq!(r.sidecar.committed(&job_key("alice", "J5")).tokens, 20400);
     assert_eq!(hdr(&r.headers, "x-tollgate-backend"), "primary");
     r.sidecar.stop().await;
 }
@@ -544,10 +556,10 @@ async fn scenario_06_fallback_dearer_than_remaining_budget() {
         "the fallback whose worst case does not fit is never called"
     );
     assert_eq!(
-        r.sidecar.committed(&job_key("J6")).usd,
+        r.sidecar.committed(&job_key("alice", "J6")).usd,
         usd_to_micros(0.024)
     );
-    assert_eq!(r.sidecar.reserved(&job_key("J6")), Amount::ZERO);
+    assert_eq!(r.sidecar.reserved(&job_key("alice", "J6")), Amount::ZERO);
     let v = json(&r.body);
     assert_eq!(v["error"]["code"], "fallback_over_budget");
     r.sidecar.stop().await;
@@ -557,7 +569,7 @@ async fn scenario_06_fallback_dearer_than_remaining_budget() {
 async fn scenario_07_worst_case_over_hard_budget() {
     let r = replay("07-worst-case-over-hard-budget.yaml").await;
     assert_eq!(r.mocks["primary"].hits(), 0);
-    assert_eq!(r.sidecar.committed(&job_key("J7")).tokens, 27000);
+    assert_eq!(r.sidecar.committed(&job_key("alice", "J7")).tokens, 27000);
     let v = json(&r.body);
     assert_eq!(v["error"]["code"], "hard_budget_exceeded");
     assert!(
@@ -1222,14 +1234,14 @@ async fn usage_reconciliation_actual_and_estimated() {
         "the body reaches the client unchanged"
     );
     assert_eq!(
-        sc.committed(&job_key("R1")),
+        sc.committed(&job_key("default", "R1")),
         Amount {
             tokens: 168,
             requests: 1,
             usd: 0
         }
     );
-    assert_eq!(sc.reserved(&job_key("R1")), Amount::ZERO);
+    assert_eq!(sc.reserved(&job_key("default", "R1")), Amount::ZERO);
     let a = sc.audit("rec-1").await;
     assert_eq!(a["usage_evidence_state"], "ACTUAL");
     assert_eq!(a["actual_input_tokens"], 123);
@@ -1253,14 +1265,14 @@ async fn usage_reconciliation_actual_and_estimated() {
         "the sidecar does not invent a usage object"
     );
     assert_eq!(
-        sc.committed(&job_key("R2")),
+        sc.committed(&job_key("default", "R2")),
         Amount {
             tokens: est + out,
             requests: 1,
             usd: 0
         }
     );
-    assert_eq!(sc.reserved(&job_key("R2")), Amount::ZERO);
+    assert_eq!(sc.reserved(&job_key("default", "R2")), Amount::ZERO);
     let a = sc.audit("rec-2").await;
     assert_eq!(a["usage_evidence_state"], "ESTIMATED");
     assert_eq!(a["actual_input_tokens"], est);

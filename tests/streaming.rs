@@ -39,10 +39,11 @@ fn policy(backends: &[(&str, &str)], extra: &str) -> String {
     y
 }
 
+/// Committed tokens on the job counter of the default consumer's job `job`.
 fn job_committed(r: &Running, job: &str) -> u64 {
     let key = CounterKey {
         scope: Scope::Job,
-        id: Arc::from(job),
+        id: tollgate::ledger::job_key("default", job),
         window: None,
     };
     r.app

@@ -35,7 +35,7 @@ fn fixed_key(b: &Bound, windows: &crate::ledger::WindowSet) -> Option<CounterKey
         (Scope::Global, _) => Arc::from("global"),
         (Scope::Request, _) => return None,
         (_, Match::Id(id)) => id.clone(),
-        (_, Match::Any) => return None,
+        (_, Match::Any | Match::Glob(_)) => return None,
     };
     Some(CounterKey {
         scope: b.scope,

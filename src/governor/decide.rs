@@ -72,13 +72,17 @@ impl Governor {
         );
         let start = clock.now_ms();
         let windows = self.windows_at(&policy.windows, start);
+        // Job ledgers belong to (consumer, job): another consumer naming the same job id
+        // has a ledger of its own.
+        let job_key = ctx.job_key();
         let who = Who {
             request_id: &ctx.request_id,
-            job_id: &ctx.job_id,
+            job_key: &job_key,
             consumer: &ctx.consumer,
+            team: ctx.team.as_ref(),
         };
         let req_parts = plan::request_parts(policy, &windows, &self.ledger, &who);
-        let job = self.ledger.job(&ctx.job_id, start);
+        let job = self.ledger.job(&job_key, start);
         let n = u64::from(ctx.n.max(1));
 
         let primary_backend = &policy.backends[route.chain[0].backend];
@@ -296,7 +300,7 @@ impl Governor {
                         }
                         self.finish_counts(&mut rec, &job, sum_worst, primary_worst);
                         let parts = all.into_iter().cloned().collect();
-                        let forget_job = ctx.ephemeral_job().then(|| ctx.job_id.clone());
+                        let forget_job = ctx.ephemeral_job().then(|| job_key.clone());
                         let pending = Pending {
                             reservation,
                             parts,
@@ -320,7 +324,7 @@ impl Governor {
                         rec.reason_class.note(ReasonClass::UpstreamFailure);
                         rec.http_status = status;
                         self.finish_counts(&mut rec, &job, sum_worst, primary_worst);
-                        self.end_job(ctx);
+                        self.end_job(ctx, &job_key);
                         return Outcome {
                             record: rec,
                             served: Served::Passthrough { payload },
@@ -410,7 +414,7 @@ impl Governor {
 
         // Nothing served.
         self.finish_counts(&mut rec, &job, sum_worst, primary_worst);
-        self.end_job(ctx);
+        self.end_job(ctx, &job_key);
         if !walk.any_eligible && rec.reason_class == ReasonClass::Ok {
             rec.reason_class = ReasonClass::ModelIneligible;
         }
@@ -468,9 +472,9 @@ impl Governor {
         }
     }
 
-    fn end_job(&self, ctx: &RequestCtx) {
+    fn end_job(&self, ctx: &RequestCtx, job_key: &Arc<str>) {
         if ctx.ephemeral_job() {
-            self.ledger.forget_job(&ctx.job_id);
+            self.ledger.forget_job(job_key);
         }
     }
 

@@ -32,6 +32,8 @@ pub struct RequestCtx {
     pub request_id: Arc<str>,
     pub job_id: Arc<str>,
     pub consumer: Arc<str>,
+    /// The caller's team (from its virtual key); team-scoped bounds apply only with one.
+    pub team: Option<Arc<str>>,
     /// Estimated prompt tokens (before any backend's `token_ratio`).
     pub input_tokens: u64,
     /// The client's output cap per choice; `None` = the policy default.
@@ -47,6 +49,11 @@ impl RequestCtx {
     /// undeclared jobs never pile up in memory.
     pub fn ephemeral_job(&self) -> bool {
         self.job_id == self.request_id
+    }
+
+    /// The key of this request's job ledger and job counters: (consumer, job).
+    pub fn job_key(&self) -> Arc<str> {
+        crate::ledger::job_key(&self.consumer, &self.job_id)
     }
 }
 

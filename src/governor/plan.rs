@@ -35,8 +35,11 @@ impl PartInfo {
 /// Identities of one request, as the plan needs them.
 pub struct Who<'a> {
     pub request_id: &'a Arc<str>,
-    pub job_id: &'a Arc<str>,
+    /// The job's ledger key: consumer and job id ([`crate::ledger::job_key`]).
+    pub job_key: &'a Arc<str>,
     pub consumer: &'a Arc<str>,
+    /// `None`: team-scoped bounds do not apply (no key, or a key without a team).
+    pub team: Option<&'a Arc<str>>,
 }
 
 fn global_id() -> Arc<str> {
@@ -91,7 +94,8 @@ fn key_for(b: &Bound, id: Arc<str>, windows: &WindowSet) -> (CounterKey, i64) {
     )
 }
 
-/// Counters of bounds that decide for the whole request (request, job, consumer, global).
+/// Counters of bounds that decide for the whole request (request, job, consumer, team,
+/// global). A request counts against its consumer's and its team's bounds at once.
 pub fn request_parts(
     policy: &Policy,
     windows: &WindowSet,
@@ -102,12 +106,22 @@ pub fn request_parts(
     for (idx, b) in policy.bounds.iter().enumerate() {
         let id = match b.scope {
             Scope::Request => who.request_id.clone(),
-            Scope::Job => who.job_id.clone(),
+            Scope::Job => who.job_key.clone(),
             Scope::Consumer => who.consumer.clone(),
+            Scope::Team => match who.team {
+                Some(t) => t.clone(),
+                None => continue,
+            },
             Scope::Global => global_id(),
             Scope::Backend | Scope::Model => continue,
         };
-        if b.scope != Scope::Global && !b.matcher.matches(&id) {
+        // A job bound's match is read against the job id the app sent, not the ledger key.
+        let matched = match b.scope {
+            Scope::Global => true,
+            Scope::Job => b.matcher.matches(crate::ledger::job_of_key(&id)),
+            _ => b.matcher.matches(&id),
+        };
+        if !matched {
             continue;
         }
         let (key, expires) = key_for(b, id, windows);

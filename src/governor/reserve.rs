@@ -262,6 +262,7 @@ state: {{backend: redis, redis_url: 'redis://127.0.0.1:1', on_unavailable: {on_u
             request_id: Arc::from("r1"),
             job_id: Arc::from("j1"),
             consumer: Arc::from("alice"),
+            team: None,
             input_tokens: 10,
             max_output_tokens: Some(20),
             n: 1,

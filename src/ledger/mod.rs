@@ -23,6 +23,25 @@ use dashmap::DashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+/// Separates consumer and job in a job key. Job ids never contain it (see
+/// [`crate::units::valid_id`]), so the last one splits a key unambiguously.
+pub const JOB_KEY_SEP: char = '#';
+
+/// The ledger key of a job: jobs belong to (consumer, job), so two consumers naming the same
+/// job id never share an attempt budget or a job-scoped counter.
+pub fn job_key(consumer: &str, job_id: &str) -> Arc<str> {
+    let mut s = String::with_capacity(consumer.len() + 1 + job_id.len());
+    s.push_str(consumer);
+    s.push(JOB_KEY_SEP);
+    s.push_str(job_id);
+    Arc::from(s)
+}
+
+/// The job id part of a job key (the whole string if it has no consumer part).
+pub fn job_of_key(key: &str) -> &str {
+    key.rsplit_once(JOB_KEY_SEP).map_or(key, |(_, j)| j)
+}
+
 /// Counters are keyed by who (scope and id) and when (window). Several bounds on the same
 /// key (a token quota and a USD budget for one consumer per day) read the same counter.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -8,6 +8,9 @@ use super::validate::V;
 use crate::units::{Scope, Window};
 use std::collections::{HashMap, HashSet};
 
+/// Pattern syntax other than `*` that `match` refuses rather than read as a literal.
+const GLOB_RESERVED: &[char] = &['?', '[', ']', '{', '}', '(', ')', '+', '^', '$', '|', '\\', '!'];
+
 /// What bound `match`es may refer to.
 pub(super) struct Known<'a> {
     pub(super) backends: &'a HashMap<&'a str, usize>,
@@ -67,15 +70,24 @@ impl V<'_> {
             None => self.err(
                 f,
                 p("scope"),
-                "is required (request, job, consumer, backend, model or global)",
+                "is required (request, job, consumer, team, backend, model or global)",
             ),
         };
-        let matcher = match h.matcher.as_ref().map_or(MATCH_ANY, |t| t.0.trim()) {
+        let pattern = h.matcher.as_ref().map_or(MATCH_ANY, |t| t.0.trim());
+        let matcher = match pattern {
             "" => {
-                self.err::<()>(f, p("match"), "must be an id or \"*\"");
+                self.err::<()>(f, p("match"), "must be an id, \"*\" or a glob like \"team-*\"");
                 Match::Any
             }
             MATCH_ANY => Match::Any,
+            pat if pat.contains(|c: char| GLOB_RESERVED.contains(&c)) => {
+                let msg = format!(
+                    "`{pat}`: only `*` is a wildcard in match; `?`, `[`, `{{`, regex and other pattern syntax is not supported"
+                );
+                self.err::<()>(f, p("match"), msg);
+                Match::Any
+            }
+            pat if pat.contains('*') => Match::Glob(pat.into()),
             id => {
                 if scope == Some(Scope::Backend) && !known.backends.contains_key(id) {
                     self.err::<()>(f, p("match"), format!("no backend with id `{id}`"));

@@ -10,6 +10,7 @@ mod alerts;
 mod backends;
 mod bounds;
 mod error;
+mod identity;
 mod locate;
 mod raw;
 mod sections;
@@ -177,10 +178,7 @@ pub fn summary(p: &Policy) -> String {
     }
     let _ = writeln!(s, "limits:");
     for b in &p.bounds {
-        let matcher = match &b.matcher {
-            Match::Any => "*",
-            Match::Id(id) => id,
-        };
+        let matcher = b.matcher.as_str();
         let window = b.window.map_or("none", |w| w.as_str());
         let _ = write!(
             s,

@@ -106,6 +106,7 @@ pub struct RawIdentity {
     pub consumer_header: Option<String>,
     pub job_header: Option<String>,
     pub default_consumer: Option<Text>,
+    pub require_key: Option<bool>,
     pub virtual_keys: Option<Vec<RawVirtualKey>>,
 }
 
@@ -113,7 +114,9 @@ pub struct RawIdentity {
 #[serde(deny_unknown_fields)]
 pub struct RawVirtualKey {
     pub consumer: Option<Text>,
+    pub team: Option<Text>,
     pub key_env: Option<String>,
+    pub key_sha256: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -1,8 +1,8 @@
-//! Validation of the single-valued sections: server, identity, estimate, windows, retry,
+//! Validation of the single-valued sections: server, estimate, windows, retry,
 //! fallback, degrade, defer, state and audit. Absent keys take the defaults of `raw`.
 
 use super::raw::*;
-use super::source::{At, Merged};
+use super::source::Merged;
 use super::types::*;
 use super::validate::V;
 use std::collections::HashSet;
@@ -60,74 +60,6 @@ impl V<'_> {
                 DEFAULT_SHUTDOWN_GRACE,
                 false,
             ),
-        }
-    }
-
-    pub(super) fn header(&mut self, at: Option<&At<String>>, key: &str, default: &str) -> String {
-        let Some(at) = at else {
-            return default.to_owned();
-        };
-        let h = at.v.trim();
-        let tchar = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
-        if h.is_empty() || !h.chars().all(tchar) {
-            return self.err(
-                at.file,
-                format!("identity.{key}"),
-                format!("`{h}` is not a valid HTTP header name"),
-            );
-        }
-        h.to_ascii_lowercase()
-    }
-
-    pub(super) fn identity(&mut self, m: &Merged) -> IdentityCfg {
-        let consumer_header = self.header(
-            m.consumer_header.as_ref(),
-            "consumer_header",
-            DEFAULT_CONSUMER_HEADER,
-        );
-        let job_header = self.header(m.job_header.as_ref(), "job_header", DEFAULT_JOB_HEADER);
-        if job_header == consumer_header && !job_header.is_empty() {
-            let file = m
-                .job_header
-                .as_ref()
-                .or(m.consumer_header.as_ref())
-                .map_or(0, |a| a.file);
-            let msg = "must differ from identity.consumer_header";
-            self.err::<()>(file, "identity.job_header", msg);
-        }
-        let default_consumer = match &m.default_consumer {
-            Some(at) => self.required(at.file, "identity.default_consumer".into(), Some(&at.v.0)),
-            None => DEFAULT_CONSUMER.to_owned(),
-        };
-        let virtual_keys = m
-            .virtual_keys
-            .iter()
-            .map(|k| {
-                let p = |f: &str| format!("identity.virtual_keys[{}].{f}", k.index);
-                VirtualKey {
-                    consumer: self
-                        .required(
-                            k.file,
-                            p("consumer"),
-                            k.v.consumer.as_ref().map(|t| t.0.as_str()),
-                        )
-                        .into(),
-                    key_env: self.required(k.file, p("key_env"), k.v.key_env.as_deref()),
-                }
-            })
-            .collect();
-        self.unique(
-            &m.virtual_keys,
-            "identity.virtual_keys",
-            "key_env",
-            "virtual key env",
-            |k| k.key_env.as_ref().map(|s| s.trim().to_owned()),
-        );
-        IdentityCfg {
-            consumer_header,
-            job_header,
-            default_consumer: default_consumer.into(),
-            virtual_keys,
         }
     }
 
@@ -425,3 +357,4 @@ impl V<'_> {
         }
     }
 }
+

@@ -151,6 +151,7 @@ pub(crate) struct Merged {
     pub consumer_header: Option<At<String>>,
     pub job_header: Option<At<String>>,
     pub default_consumer: Option<At<Text>>,
+    pub require_key: Option<At<bool>>,
     pub virtual_keys: Vec<Item<RawVirtualKey>>,
     pub estimate: Option<At<RawEstimate>>,
     pub windows: Option<At<RawWindows>>,
@@ -197,6 +198,7 @@ impl Merged {
                 id.default_consumer,
                 "identity.default_consumer",
             );
+            m.one(&mut self.require_key, id.require_key, "identity.require_key");
             m.many(&mut self.virtual_keys, id.virtual_keys);
         }
         m.one(&mut self.estimate, raw.estimate, "estimate");

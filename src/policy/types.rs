@@ -57,16 +57,37 @@ pub struct ServerCfg {
 
 #[derive(Debug, Clone)]
 pub struct IdentityCfg {
+    /// Trusted only while `virtual_keys` is empty (SPEC §4).
     pub consumer_header: String,
     pub job_header: String,
     pub default_consumer: Arc<str>,
+    /// A request without a key is refused (401). Defaults to true once keys are configured.
+    pub require_key: bool,
     pub virtual_keys: Vec<VirtualKey>,
 }
 
+/// A virtual key: who presents it (consumer and team) and how the key is known.
 #[derive(Debug, Clone)]
 pub struct VirtualKey {
     pub consumer: Arc<str>,
-    pub key_env: String,
+    pub team: Option<Arc<str>>,
+    pub secret: KeySource,
+}
+
+/// Where a virtual key's secret comes from: exactly one per key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeySource {
+    /// The key itself, read from this environment variable when the policy loads.
+    Env(String),
+    /// The SHA-256 digest of the key (so no secret is in the file).
+    Sha256([u8; 32]),
+}
+
+impl Default for KeySource {
+    /// Stands in for an invalid key while the rest of the policy is checked.
+    fn default() -> Self {
+        KeySource::Env(String::new())
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -217,6 +238,8 @@ pub enum Match {
     Any,
     /// Only this id.
     Id(Arc<str>),
+    /// A pattern with `*` wildcards (`team-*`): a separate counter per matching id.
+    Glob(Arc<str>),
 }
 
 impl Match {
@@ -224,8 +247,40 @@ impl Match {
         match self {
             Match::Any => true,
             Match::Id(m) => &**m == id,
+            Match::Glob(p) => glob_matches(p.as_bytes(), id.as_bytes()),
         }
     }
+
+    /// The pattern as written in the policy.
+    pub fn as_str(&self) -> &str {
+        match self {
+            Match::Any => "*",
+            Match::Id(s) | Match::Glob(s) => s,
+        }
+    }
+}
+
+/// Whether `id` matches `pat`, where `*` stands for any run of bytes (possibly empty) and
+/// every other byte for itself. Linear backtracking over the last star: no allocation.
+pub fn glob_matches(pat: &[u8], id: &[u8]) -> bool {
+    let (mut p, mut i) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while i < id.len() {
+        if p < pat.len() && pat[p] == b'*' {
+            star = Some((p, i));
+            p += 1;
+        } else if p < pat.len() && pat[p] == id[i] {
+            p += 1;
+            i += 1;
+        } else if let Some((sp, si)) = star {
+            p = sp + 1;
+            i = si + 1;
+            star = Some((sp, si + 1));
+        } else {
+            return false;
+        }
+    }
+    pat[p..].iter().all(|&b| b == b'*')
 }
 
 /// Limits in the three dimensions; `None` = not limited in that dimension.
@@ -364,4 +419,25 @@ pub struct AlertsCfg {
     pub queue: usize,
     /// Delivery attempts per alert (the first plus retries with exponential backoff).
     pub max_attempts: u32,
+}
+
+#[cfg(test)]
+mod glob_tests {
+    use super::glob_matches;
+
+    #[test]
+    fn stars_match_any_run_and_everything_else_is_literal() {
+        let m = |p: &str, s: &str| glob_matches(p.as_bytes(), s.as_bytes());
+        assert!(m("*", ""));
+        assert!(m("team-*", "team-a"));
+        assert!(m("*-prod", "svc-prod"));
+        assert!(m("svc-*-prod", "svc-a-b-prod"));
+        assert!(m("a*b*c", "aXbYbZc"));
+        assert!(m("**", "x"));
+        assert!(!m("team-*", "team"));
+        assert!(!m("svc-*-prod", "svc-prod"));
+        assert!(!m("a*b*c", "aXbYbZ"));
+        assert!(m("gpt-4.1", "gpt-4.1"));
+        assert!(!m("gpt-4.1", "gpt-4x1"), "a dot is a dot");
+    }
 }

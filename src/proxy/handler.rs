@@ -65,7 +65,10 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Bo
             );
             return Ok(r);
         }
-        (_, p @ ("/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" | "/v1/models")) => {
+        (&Method::GET, super::limits_view::PATH) => {
+            return Ok(super::limits_view::answer(&app, &snap, req.headers()));
+        }
+        (_, p @ ("/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" | "/v1/models" | super::limits_view::PATH)) => {
             let rec = bare_record(&snap, p);
             return Ok(respond::refusal(&Refusal::MethodNotAllowed, &rec, &snap));
         }
@@ -108,16 +111,14 @@ async fn governed(
         Ok(w) => w,
         Err((rid, e)) => {
             let (reason, refusal) = match e {
-                IdentityError::UnknownKey => (
+                IdentityError::UnknownKey | IdentityError::MissingKey => (
                     ReasonClass::Unauthenticated,
-                    Refusal::Unauthenticated("the bearer key is not a known virtual key".into()),
+                    Refusal::Unauthenticated(e.message()),
                 ),
-                IdentityError::BadHeader(h) => (
+                IdentityError::BadHeader(_) => (
                     ReasonClass::BadRequest,
                     Refusal::BadRequest {
-                        message: format!(
-                            "the {h} is not a valid id (1-128 of A-Z a-z 0-9 - _ . : @ /)"
-                        ),
+                        message: e.message(),
                         param: None,
                         code: "invalid_header",
                     },
@@ -223,6 +224,7 @@ async fn governed(
         request_id: who.request_id,
         job_id: who.job_id,
         consumer: who.consumer,
+        team: who.team,
         input_tokens: est.input_tokens,
         max_output_tokens: est.max_output_tokens,
         n: est.n,

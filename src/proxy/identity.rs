@@ -1,36 +1,49 @@
-//! Who is asking: request id, job id and consumer (SPEC §1.1). The consumer comes from a
-//! virtual key compared in constant time, else a trusted header, else the default.
+//! Who is asking: request id, job id, consumer and team (SPEC §1.1, §4).
+//!
+//! With virtual keys configured, the key alone says who pays: consumer and team come from it
+//! (compared in constant time against every key), an identity header can neither add nor
+//! change them, and a request without a key is refused unless `identity.require_key` is off
+//! (it is then the default consumer). Without virtual keys the consumer header is trusted.
 
 use super::snapshot::Snapshot;
+use crate::units::valid_id;
 use http::HeaderMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use subtle::ConstantTimeEq;
 
 #[derive(Debug, Clone)]
 pub struct Identity {
     pub request_id: Arc<str>,
     pub job_id: Arc<str>,
     pub consumer: Arc<str>,
+    /// The team of the caller's virtual key, if it names one.
+    pub team: Option<Arc<str>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum IdentityError {
-    /// A bearer key that matches no virtual key.
+    /// A key (or an `Authorization` header) that matches no virtual key.
     UnknownKey,
+    /// No key, while the policy requires one.
+    MissingKey,
     /// A header whose value cannot be an id.
     BadHeader(&'static str),
 }
 
-/// Longest id accepted from a header.
-const MAX_ID: usize = 128;
-
-fn valid_id(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= MAX_ID
-        && s.bytes().all(|b| {
-            b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':' | b'@' | b'/')
-        })
+impl IdentityError {
+    /// The message a client is shown; it never repeats what the client sent.
+    pub fn message(&self) -> String {
+        match self {
+            IdentityError::UnknownKey => "the key is not a known virtual key".into(),
+            IdentityError::MissingKey => {
+                "a virtual key is required (Authorization: Bearer <key>, x-api-key or x-goog-api-key)"
+                    .into()
+            }
+            IdentityError::BadHeader(h) => {
+                format!("the {h} is not a valid id (1-128 of A-Z a-z 0-9 - _ . : @ /)")
+            }
+        }
+    }
 }
 
 static SEQ: AtomicU64 = AtomicU64::new(0);
@@ -57,52 +70,121 @@ fn header_id(
     }
 }
 
+/// A credential as the client presented it.
+#[derive(Debug, PartialEq, Eq)]
+enum Presented<'a> {
+    Nothing,
+    Key(&'a str),
+    /// An `Authorization` that is not `Bearer <key>` (e.g. `Basic …`, an empty bearer).
+    Malformed,
+}
+
+/// The key of a request, from `Authorization: Bearer` (scheme case-insensitive), `x-api-key`
+/// (Anthropic) or `x-goog-api-key` (Gemini), in that order.
+fn presented(h: &HeaderMap) -> Presented<'_> {
+    if let Some(v) = h.get(http::header::AUTHORIZATION) {
+        let Ok(s) = v.to_str() else {
+            return Presented::Malformed;
+        };
+        return match s.trim().split_once(' ') {
+            Some((scheme, key)) if scheme.eq_ignore_ascii_case("bearer") => match key.trim() {
+                "" => Presented::Malformed,
+                k => Presented::Key(k),
+            },
+            _ => Presented::Malformed,
+        };
+    }
+    for name in ["x-api-key", "x-goog-api-key"] {
+        if let Some(v) = h.get(name) {
+            return match v.to_str().map(str::trim) {
+                Ok(k) if !k.is_empty() => Presented::Key(k),
+                _ => Presented::Malformed,
+            };
+        }
+    }
+    Presented::Nothing
+}
+
+/// Consumer and team of the caller: from the key when keys are configured, else from the
+/// consumer header or the default.
+pub fn caller(
+    h: &HeaderMap,
+    snap: &Snapshot,
+) -> Result<(Arc<str>, Option<Arc<str>>), IdentityError> {
+    let id = &snap.policy.identity;
+    // Virtual keys are only consulted when the policy configures them; otherwise the app's
+    // Authorization (often a dummy key its SDK insists on) is ignored and never forwarded.
+    if id.virtual_keys.is_empty() {
+        let consumer = header_id(h, &id.consumer_header, "consumer header")?
+            .unwrap_or_else(|| id.default_consumer.clone());
+        return Ok((consumer, None));
+    }
+    match presented(h) {
+        Presented::Key(k) => match snap.virtual_keys.lookup(k) {
+            Some(owner) => Ok((owner.consumer.clone(), owner.team.clone())),
+            None => Err(IdentityError::UnknownKey),
+        },
+        Presented::Malformed => Err(IdentityError::UnknownKey),
+        Presented::Nothing if id.require_key => Err(IdentityError::MissingKey),
+        // Keys exist but are optional: a key-less request is the default consumer. The
+        // consumer header is not trusted here, or it would bill whoever it names.
+        Presented::Nothing => Ok((id.default_consumer.clone(), None)),
+    }
+}
+
 pub fn identify(h: &HeaderMap, snap: &Snapshot) -> Result<Identity, (Arc<str>, IdentityError)> {
     let request_id = match header_id(h, "x-request-id", "x-request-id") {
         Ok(Some(id)) => id,
         _ => new_request_id(),
     };
-    let id = &snap.policy.identity;
-    let job_id = match header_id(h, &id.job_header, "job header") {
+    let job_id = match header_id(h, &snap.policy.identity.job_header, "job header") {
         Ok(j) => j.unwrap_or_else(|| request_id.clone()),
         Err(e) => return Err((request_id, e)),
     };
-    let bearer = h
-        .get(http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| {
-            v.strip_prefix("Bearer ")
-                .or_else(|| v.strip_prefix("bearer "))
-        })
-        .map(str::trim);
-    // Virtual keys are only consulted when the policy configures them; otherwise the app's
-    // Authorization (often a dummy key its SDK insists on) is ignored and never forwarded.
-    if !id.virtual_keys.is_empty() {
-        if let Some(key) = bearer {
-            let mut found: Option<&Arc<str>> = None;
-            for (secret, consumer) in &snap.virtual_keys {
-                // Every key is compared, whatever matched, so timing says nothing.
-                if bool::from(secret.expose().as_bytes().ct_eq(key.as_bytes())) {
-                    found = Some(consumer);
-                }
-            }
-            return match found {
-                Some(c) => Ok(Identity {
-                    request_id,
-                    job_id,
-                    consumer: c.clone(),
-                }),
-                None => Err((request_id, IdentityError::UnknownKey)),
-            };
+    match caller(h, snap) {
+        Ok((consumer, team)) => Ok(Identity {
+            request_id,
+            job_id,
+            consumer,
+            team,
+        }),
+        Err(e) => Err((request_id, e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    fn auth(v: &'static str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(http::header::AUTHORIZATION, HeaderValue::from_static(v));
+        h
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        for v in ["Bearer k1", "bearer k1", "BEARER k1", "BeArEr   k1 "] {
+            assert_eq!(presented(&auth(v)), Presented::Key("k1"), "{v}");
         }
     }
-    let consumer = match header_id(h, &id.consumer_header, "consumer header") {
-        Ok(c) => c.unwrap_or_else(|| id.default_consumer.clone()),
-        Err(e) => return Err((request_id, e)),
-    };
-    Ok(Identity {
-        request_id,
-        job_id,
-        consumer,
-    })
+
+    #[test]
+    fn other_schemes_and_empty_bearers_are_malformed() {
+        for v in ["Basic dXNlcjpwYXNz", "Bearer", "Bearer   ", "k1", "Token k1"] {
+            assert_eq!(presented(&auth(v)), Presented::Malformed, "{v}");
+        }
+        assert_eq!(presented(&HeaderMap::new()), Presented::Nothing);
+    }
+
+    #[test]
+    fn anthropic_and_gemini_key_headers_are_keys() {
+        let mut h = HeaderMap::new();
+        h.insert("x-api-key", HeaderValue::from_static("ka"));
+        assert_eq!(presented(&h), Presented::Key("ka"));
+        let mut h = HeaderMap::new();
+        h.insert("x-goog-api-key", HeaderValue::from_static("kg"));
+        assert_eq!(presented(&h), Presented::Key("kg"));
+    }
 }

@@ -3,6 +3,7 @@
 
 pub mod handler;
 pub mod identity;
+pub mod limits_view;
 pub mod persist;
 pub mod respond;
 pub mod server;

@@ -2,7 +2,9 @@
 //! derived from it that needs the environment (upstream keys, virtual keys) or would be
 //! wasteful to compute per request. Swapped whole, atomically, on reload.
 
-use crate::policy::{self, Policy};
+use crate::policy::{self, KeySource, Policy};
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
 use crate::providers;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
@@ -25,6 +27,42 @@ impl fmt::Debug for Secret {
     }
 }
 
+/// Whom a virtual key identifies.
+#[derive(Debug, Clone)]
+pub struct KeyOwner {
+    pub consumer: Arc<str>,
+    pub team: Option<Arc<str>>,
+}
+
+/// The virtual keys of a policy: keys read from the environment and SHA-256 digests.
+#[derive(Debug, Default)]
+pub struct VirtualKeys {
+    pub plain: Vec<(Secret, KeyOwner)>,
+    pub hashed: Vec<([u8; 32], KeyOwner)>,
+}
+
+impl VirtualKeys {
+    /// The owner of `key`. Every key and digest is compared in constant time, whatever
+    /// matched, so timing says nothing about which key (or how much of one) was right.
+    pub fn lookup(&self, key: &str) -> Option<&KeyOwner> {
+        let mut found = None;
+        for (secret, owner) in &self.plain {
+            if bool::from(secret.expose().as_bytes().ct_eq(key.as_bytes())) {
+                found = Some(owner);
+            }
+        }
+        if !self.hashed.is_empty() {
+            let digest: [u8; 32] = Sha256::digest(key.as_bytes()).into();
+            for (d, owner) in &self.hashed {
+                if bool::from(d[..].ct_eq(&digest[..])) {
+                    found = Some(owner);
+                }
+            }
+        }
+        found
+    }
+}
+
 #[derive(Debug)]
 pub struct Snapshot {
     pub policy: Policy,
@@ -32,8 +70,8 @@ pub struct Snapshot {
     pub keys: Vec<Option<Secret>>,
     /// Per backend index: the auth headers its provider wants (values marked sensitive).
     pub auth: Vec<Vec<(HeaderName, HeaderValue)>>,
-    /// Virtual keys: (key bytes, consumer id).
-    pub virtual_keys: Vec<(Secret, Arc<str>)>,
+    /// Virtual keys, by secret or by digest.
+    pub virtual_keys: VirtualKeys,
     pub version_header: HeaderValue,
     /// The `/v1/models` body.
     pub models_body: Bytes,
@@ -58,15 +96,22 @@ impl Snapshot {
             keys.push(key.map(|k| Secret(Arc::from(k))));
             auth.push(headers);
         }
-        let mut virtual_keys = Vec::new();
+        let mut virtual_keys = VirtualKeys::default();
         for vk in &policy.identity.virtual_keys {
-            match std::env::var(&vk.key_env) {
-                Ok(k) if !k.is_empty() => {
-                    virtual_keys.push((Secret(Arc::from(k)), vk.consumer.clone()))
-                }
-                _ => {
-                    tracing::warn!(consumer = %vk.consumer, env = %vk.key_env, "virtual key env is unset: that consumer cannot authenticate")
-                }
+            let owner = KeyOwner {
+                consumer: vk.consumer.clone(),
+                team: vk.team.clone(),
+            };
+            match &vk.secret {
+                KeySource::Sha256(d) => virtual_keys.hashed.push((*d, owner)),
+                KeySource::Env(env) => match std::env::var(env) {
+                    Ok(k) if !k.is_empty() => {
+                        virtual_keys.plain.push((Secret(Arc::from(k)), owner))
+                    }
+                    _ => {
+                        tracing::warn!(consumer = %vk.consumer, env = %env, "virtual key env is unset: that consumer cannot authenticate")
+                    }
+                },
             }
         }
         let version_header = HeaderValue::from_str(&policy.version)

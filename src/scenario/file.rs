@@ -56,6 +56,9 @@ pub struct UsageSeed {
 #[serde(deny_unknown_fields)]
 pub struct JobSeed {
     pub id: String,
+    /// Whose job it is (job ledgers belong to a consumer); the request's consumer if absent.
+    #[serde(default)]
+    pub consumer: Option<String>,
     #[serde(default)]
     pub attempts: u32,
     #[serde(default)]
@@ -82,6 +85,9 @@ pub struct RequestSpec {
     pub id: Option<String>,
     #[serde(default)]
     pub consumer: Option<String>,
+    /// The team the caller's virtual key names (team-scoped bounds apply only with one).
+    #[serde(default)]
+    pub team: Option<String>,
     #[serde(default)]
     pub job: Option<String>,
     #[serde(default)]

@@ -11,7 +11,7 @@ use crate::estimate::{self, Endpoint};
 use crate::governor::{
     CircuitState, Governor, Outcome, Record, RequestCtx, Served, Usage, UsageEvidence,
 };
-use crate::ledger::{window_at, window_end, CounterKey, Ledger};
+use crate::ledger::{job_key, window_at, window_end, CounterKey, Ledger};
 use crate::policy::{self, Policy};
 use crate::units::{usd_to_micros, Amount, Scope};
 use file::{Expect, UsageSeed};
@@ -74,15 +74,26 @@ fn load_policy(
     })
 }
 
-fn seed_key(policy: &Policy, s: &UsageSeed, default_id: &str, now: i64) -> (CounterKey, i64) {
+/// The request's own ids, which seeds without an `id` refer to.
+struct SeedIds<'a> {
+    consumer: &'a str,
+    team: Option<&'a str>,
+    job_id: &'a str,
+}
+
+fn seed_key(policy: &Policy, s: &UsageSeed, ids: &SeedIds<'_>, now: i64) -> (CounterKey, i64) {
     let now =
         s.at.as_deref()
             .and_then(|t| t.parse::<jiff::Timestamp>().ok())
             .map_or(now, |t| t.as_millisecond());
     let id: Arc<str> = match (s.scope, &s.id) {
         (Scope::Global, _) => Arc::from("global"),
+        // Job counters belong to (consumer, job), like the job ledgers.
+        (Scope::Job, id) => job_key(ids.consumer, id.as_deref().unwrap_or(ids.job_id)),
         (_, Some(id)) => Arc::from(id.as_str()),
-        (_, None) => Arc::from(default_id),
+        (Scope::Consumer, None) => Arc::from(ids.consumer),
+        (Scope::Team, None) => Arc::from(ids.team.unwrap_or("")),
+        (_, None) => Arc::from(ids.job_id),
     };
     let tz = &policy.windows.timezone;
     let window = s.window.map(|w| window_at(tz, w, now));
@@ -149,15 +160,21 @@ pub async fn run(
         .as_deref()
         .map(Arc::from)
         .unwrap_or_else(|| policy.identity.default_consumer.clone());
+    let team: Option<Arc<str>> = req.team.as_deref().map(Arc::from);
+    let ids = SeedIds {
+        consumer: &consumer,
+        team: team.as_deref(),
+        job_id: &job_id,
+    };
 
     // Starting state.
     for s in &sc.state.usage {
-        let (key, exp) = seed_key(policy, s, &job_id, now);
+        let (key, exp) = seed_key(policy, s, &ids, now);
         ledger.counter(&key, exp).add_committed(&seed_amount(s));
     }
     let mut held = Vec::new();
     for s in &sc.state.reserved {
-        let (key, exp) = seed_key(policy, s, &job_id, now);
+        let (key, exp) = seed_key(policy, s, &ids, now);
         let part = crate::ledger::ReservePart {
             counter: ledger.counter(&key, exp),
             hard: [None; 3],
@@ -168,7 +185,8 @@ pub async fn run(
         held.push(r);
     }
     for j in &sc.state.jobs {
-        ledger.set_job(Arc::from(j.id.as_str()), j.attempts, j.fallbacks, now);
+        let owner = j.consumer.as_deref().unwrap_or(&*consumer);
+        ledger.set_job(job_key(owner, &j.id), j.attempts, j.fallbacks, now);
     }
     for c in &sc.state.circuits {
         let state = CircuitState::parse(&c.state)
@@ -218,7 +236,8 @@ pub async fn run(
     let ctx = RequestCtx {
         request_id,
         job_id: job_id.clone(),
-        consumer,
+        consumer: consumer.clone(),
+        team: team.clone(),
         input_tokens,
         max_output_tokens: max_out,
         n,
@@ -255,7 +274,7 @@ pub async fn run(
         governor.settle(policy, &mut record, pending, usage, evidence);
     }
 
-    let mut mismatches = compare(&sc.expect, &record, &governor, &clock, policy, &job_id, now);
+    let mut mismatches = compare(&sc.expect, &record, &governor, &clock, policy, &ids, now);
     for b in up.unexpected() {
         mismatches.push(Mismatch {
             field: "upstream".into(),
@@ -307,7 +326,7 @@ fn compare(
     g: &Governor,
     clock: &FixedClock,
     policy: &Policy,
-    job_id: &str,
+    ids: &SeedIds<'_>,
     start: i64,
 ) -> Vec<Mismatch> {
     use crate::governor::Clock;
@@ -394,7 +413,7 @@ fn compare(
     }
     if let Some(list) = &e.committed {
         for s in list {
-            let (key, _) = seed_key(policy, s, job_id, start);
+            let (key, _) = seed_key(policy, s, ids, start);
             let got = g
                 .ledger
                 .get(&key)

@@ -465,6 +465,42 @@ mod tests {
     }
 
     #[test]
+    fn team_counters_and_per_consumer_jobs_survive_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.db");
+        let now: Millis = 1_800_000_000_000;
+        let team = key(Scope::Team, "team-a", Some((Window::Month, 1_798_761_600)));
+        let (ja, jb) = (
+            crate::ledger::job_key("alice", "jobX"),
+            crate::ledger::job_key("bob", "jobX"),
+        );
+        let ledger = Ledger::new();
+        ledger
+            .counter(&team, now + 3_600_000)
+            .add_committed(&amt(0, 2, 49_000_000));
+        ledger
+            .counter(&key(Scope::Job, &ja, None), i64::MAX)
+            .add_committed(&amt(9, 1, 0));
+        ledger.set_job(ja.clone(), 1, 0, now);
+        ledger.set_job(jb.clone(), 3, 0, now);
+        SqliteStore::open(&path)
+            .unwrap()
+            .flush(&ledger, Vec::new())
+            .unwrap();
+
+        let fresh = Ledger::new();
+        SqliteStore::open(&path)
+            .unwrap()
+            .load(&fresh, now + 5, 3_600_000)
+            .unwrap();
+        assert_eq!(fresh.get(&team).unwrap().committed(), amt(0, 2, 49_000_000));
+        let job_counter = fresh.get(&key(Scope::Job, &ja, None)).unwrap();
+        assert_eq!(job_counter.committed(), amt(9, 1, 0));
+        assert_eq!(fresh.job(&ja, now).attempts(), 1, "alice's jobX is hers");
+        assert_eq!(fresh.job(&jb, now).attempts(), 3, "bob's jobX is his");
+    }
+
+    #[test]
     fn flush_and_load_round_trip_drops_ended_windows() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("state.db");
