@@ -1,5 +1,5 @@
 //! The admin port: liveness, readiness, Prometheus metrics, the status JSON, the dashboard
-//! page and `POST /admin/reload`. Separate from the data port; nothing here is on the
+//! page, `POST /admin/reload` and `POST /admin/circuits/{backend}/reset`. Separate from the data port; nothing here is on the
 //! request path. Mutating calls need `Authorization: Bearer $TOLLGATE_ADMIN_TOKEN`
 //! (compared in constant time); with no token configured they are refused.
 
@@ -103,7 +103,7 @@ impl Ops {
         let given = req
             .headers()
             .get(http::header::AUTHORIZATION)
-            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+            .and_then(|v| bearer(v.as_bytes()))
             .unwrap_or(b"");
         // Lengths may differ: ct_eq then says no without comparing further (only the length
         // can leak, never the content).
@@ -121,6 +121,45 @@ impl Ops {
             Some(r)
         }
     }
+}
+
+/// The credentials of `Authorization: Bearer <token>`; the scheme word is case-insensitive
+/// (RFC 9110 §11.1), as on the data port.
+fn bearer(v: &[u8]) -> Option<&[u8]> {
+    let (scheme, rest) = v.split_at(v.iter().position(|&b| b == b' ')?);
+    if !scheme.eq_ignore_ascii_case(b"bearer") {
+        return None;
+    }
+    let start = rest.iter().position(|&b| b != b' ')?;
+    Some(&rest[start..])
+}
+
+/// `POST /admin/circuits/{backend}/reset`: closes that backend's circuit now. The
+/// write-behind store persists it on its next flush; `/admin/status` shows it at once.
+fn reset_circuit(app: &App, id: &str) -> Response<Body> {
+    let snap = app.snap.load();
+    let Some(b) = snap.policy.backend(id) else {
+        return json_error(
+            StatusCode::NOT_FOUND,
+            "no backend with that id in the policy",
+        );
+    };
+    let c = app.governor.circuit(&b.id);
+    let before = c.state_at(jiff::Timestamp::now().as_millisecond());
+    c.reset();
+    tracing::warn!(backend = %b.id, before = before.as_str(), "circuit reset by the admin API");
+    json(
+        StatusCode::OK,
+        &serde_json::json!({"result": "ok", "backend": &*b.id, "before": before.as_str(),
+            "circuit": "CLOSED"}),
+    )
+}
+
+/// The backend id of a `/admin/circuits/{backend}/reset` path.
+fn circuit_path(path: &str) -> Option<&str> {
+    path.strip_prefix("/admin/circuits/")?
+        .strip_suffix("/reset")
+        .filter(|id| !id.is_empty() && !id.contains('/'))
 }
 
 fn with_type(mut r: Response<Body>, status: StatusCode, ctype: &'static str) -> Response<Body> {
@@ -195,6 +234,11 @@ pub async fn handle(
                 ),
             },
         },
+        (m, p) if circuit_path(p).is_some() => match (m, ops.refuse(&req)) {
+            (&Method::POST, Some(r)) => r,
+            (&Method::POST, None) => reset_circuit(&app, circuit_path(p).unwrap_or_default()),
+            _ => text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n"),
+        },
         (_, "/healthz" | "/readyz" | "/metrics" | "/admin/status" | "/" | "/admin/reload") => {
             text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n")
         }
@@ -222,5 +266,28 @@ async fn readyz(ops: &Ops) -> Response<Body> {
                 READY_TIMEOUT.as_secs()
             ),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bearer_scheme_word_is_case_insensitive() {
+        assert_eq!(bearer(b"Bearer tok"), Some(&b"tok"[..]));
+        assert_eq!(bearer(b"bearer tok"), Some(&b"tok"[..]));
+        assert_eq!(bearer(b"BEARER  tok"), Some(&b"tok"[..]));
+        assert_eq!(bearer(b"Basic tok"), None);
+        assert_eq!(bearer(b"Bearertok"), None);
+        assert_eq!(bearer(b"Bearer "), None);
+    }
+
+    #[test]
+    fn circuit_paths() {
+        assert_eq!(circuit_path("/admin/circuits/gemini/reset"), Some("gemini"));
+        assert_eq!(circuit_path("/admin/circuits//reset"), None);
+        assert_eq!(circuit_path("/admin/circuits/a/b/reset"), None);
+        assert_eq!(circuit_path("/admin/circuits/a"), None);
     }
 }

@@ -94,8 +94,17 @@ impl Ops {
             return Err(ReloadError::NoPath);
         };
         let _one = self.reload_lock.lock().await;
-        let fp = fingerprint(&path).ok();
-        let res = crate::proxy::reload(app, &path);
+        // Reading and parsing stay off the runtime's workers: a slow disk, a FIFO or a huge
+        // file must not stall requests on either port.
+        let read = tokio::task::spawn_blocking(move || {
+            let fp = fingerprint(&path).ok();
+            (fp, crate::proxy::snapshot::load(&path))
+        })
+        .await;
+        let (fp, res) = match read {
+            Ok((fp, snap)) => (fp, snap.and_then(|s| crate::proxy::server::apply(app, s))),
+            Err(e) => (None, Err(format!("policy reader failed: {e}"))),
+        };
         let now = Timestamp::now();
         let mut st = self.reloads.lock().unwrap_or_else(|p| p.into_inner());
         if fp.is_some() {
@@ -148,25 +157,34 @@ impl Ops {
 }
 
 /// A hash of what a load of `path` would read: the file's content, or every visible
-/// `*.yaml`/`*.yml` file of the directory (following symlinks) with its name.
+/// `*.yaml`/`*.yml` file of the directory (following symlinks) with its name. Reads by the
+/// loader's rules (regular files, size cap); blocking — see [`fingerprint_off_runtime`].
 pub fn fingerprint(path: &Path) -> std::io::Result<u64> {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     if !path.is_dir() {
-        std::fs::read(path)?.hash(&mut h);
+        crate::policy::read_policy_file(path)?.hash(&mut h);
         return Ok(h.finish());
     }
     for (name, p) in crate::policy::policy_files(path)? {
         name.hash(&mut h);
-        std::fs::read(p)?.hash(&mut h);
+        crate::policy::read_policy_file(&p)?.hash(&mut h);
     }
     Ok(h.finish())
+}
+
+/// [`fingerprint`] on a blocking thread.
+async fn fingerprint_off_runtime(path: &Path) -> std::io::Result<u64> {
+    let path = path.to_path_buf();
+    tokio::task::spawn_blocking(move || fingerprint(&path))
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
 }
 
 /// Polls the policy path and reloads when what it holds changes, until `stop`.
 pub async fn watch(app: Arc<App>, ops: Arc<Ops>, mut stop: watch::Receiver<bool>) {
     if let Some(path) = ops.policy_path() {
         if ops.last_fingerprint().is_none() {
-            if let Ok(fp) = fingerprint(&path) {
+            if let Ok(fp) = fingerprint_off_runtime(&path).await {
                 ops.set_fingerprint(fp);
             }
         }
@@ -183,12 +201,14 @@ pub async fn watch(app: Arc<App>, ops: Arc<Ops>, mut stop: watch::Receiver<bool>
         };
         // A read error (a file mid-swap, a directory briefly empty) is looked at again on
         // the next tick; only a readable change triggers a load.
-        let Ok(fp) = fingerprint(&path) else { continue };
+        let Ok(fp) = fingerprint_off_runtime(&path).await else {
+            continue;
+        };
         if Some(fp) == ops.last_fingerprint() {
             continue;
         }
         tokio::time::sleep(SETTLE).await;
-        if fingerprint(&path).ok() != Some(fp) {
+        if fingerprint_off_runtime(&path).await.ok() != Some(fp) {
             continue;
         }
         let _ = ops.reload(&app, Trigger::File).await;

@@ -3,6 +3,9 @@
 //! Retry-After) has passed; then HALF_OPEN admits at most `half_open_max_calls` concurrent
 //! probes — a probe's success closes it, a failure reopens it.
 //!
+//! No hold is longer than `max_open` (default 24h), whatever the upstream asked for, and an
+//! operator can close a circuit at once (`POST /admin/circuits/{backend}/reset`).
+//!
 //! All state is atomics; admission in CLOSED is one load. Time is passed in (ms), never read.
 
 use crate::policy::CircuitCfg;
@@ -109,6 +112,16 @@ impl Circuit {
         self.open_until.store(open_until, Ordering::Release);
         self.probes.store(probes, Ordering::Release);
         self.state.store(state as u8, Ordering::Release);
+    }
+
+    /// Closes the circuit now (an operator's reset): failures forgotten, no hold. Probes in
+    /// flight keep their slots until they end; their outcome is counted as usual.
+    pub fn reset(&self) {
+        self.failures.store(0, Ordering::Release);
+        self.open_until.store(0, Ordering::Release);
+        self.opened_at.store(0, Ordering::Release);
+        self.state
+            .store(CircuitState::Closed as u8, Ordering::Release);
     }
 
     pub fn raw_state(&self) -> CircuitState {
@@ -241,12 +254,75 @@ impl Circuit {
 }
 
 /// How long an opening holds: the recovery timeout, or what the backend asked for (a
-/// Retry-After, a quota's reset) when longer and the policy accepts it.
+/// Retry-After, a quota's reset) when longer and the policy accepts it — never more than
+/// `max_open` (a `Retry-After: 99999999` must not hold a backend out for years).
 fn hold(cfg: &CircuitCfg, asked_ms: i64) -> i64 {
-    let recovery = cfg.recovery_timeout.as_millis() as i64;
-    if cfg.accept_retry_after {
+    let recovery = millis(cfg.recovery_timeout);
+    let asked = if cfg.accept_retry_after {
         recovery.max(asked_ms)
     } else {
         recovery
+    };
+    asked.min(max_open_ms(cfg))
+}
+
+fn millis(d: std::time::Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// The longest hold `cfg` allows (at least its recovery timeout).
+fn max_open_ms(cfg: &CircuitCfg) -> i64 {
+    millis(cfg.max_open).max(millis(cfg.recovery_timeout))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn cfg(max_open: Duration) -> CircuitCfg {
+        CircuitCfg {
+            failure_threshold: 1,
+            recovery_timeout: Duration::from_secs(30),
+            half_open_max_calls: 1,
+            accept_retry_after: true,
+            max_open,
+        }
+    }
+
+    const DAY_MS: i64 = 86_400_000;
+
+    #[test]
+    fn a_huge_retry_after_holds_no_longer_than_max_open() {
+        let c = Circuit::new();
+        let cfg = cfg(Duration::from_secs(86_400));
+        assert!(c.on_failure(1_000, &cfg, None, Some(99_999_999_000)));
+        assert_eq!(c.open_until(), 1_000 + DAY_MS);
+        let d = Circuit::new();
+        d.open_for(1_000, &cfg, None, 99_999_999_000);
+        assert_eq!(d.open_until(), 1_000 + DAY_MS);
+        // A Gemini day quota (under 24h) still fits whole.
+        let e = Circuit::new();
+        e.open_for(0, &cfg, None, DAY_MS - 5);
+        assert_eq!(e.open_until(), DAY_MS - 5);
+    }
+
+    #[test]
+    fn max_open_never_cuts_below_the_recovery_timeout() {
+        let c = Circuit::new();
+        c.on_failure(0, &cfg(Duration::from_secs(1)), None, Some(3_600_000));
+        assert_eq!(c.open_until(), 30_000);
+    }
+
+    #[test]
+    fn reset_closes() {
+        let cfg = cfg(Duration::from_secs(3_600));
+        let c = Circuit::new();
+        c.on_failure(0, &cfg, None, None);
+        assert_eq!(c.state_at(1), CircuitState::Open);
+        c.reset();
+        assert_eq!(c.state_at(1), CircuitState::Closed);
+        assert_eq!(c.consecutive_failures(), 0);
+        assert!(matches!(c.admit(1, &cfg), Admission::Normal));
     }
 }

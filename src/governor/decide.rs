@@ -31,6 +31,8 @@ struct Walk {
     /// Earliest time (ms from now) waiting could help, when known.
     wait_hint_ms: Option<i64>,
     throttled: bool,
+    /// A failure that `retry.retry_on` does not retry (an upstream 401/403).
+    not_retryable: bool,
 }
 
 impl Walk {
@@ -380,9 +382,9 @@ impl Governor {
                         walk.hint(ra.unwrap_or_else(|| backoff_ms(policy, tries_here)));
                         let ra_ok = ra
                             .is_none_or(|ms| ms <= policy.retry.max_retry_after.as_millis() as i64);
-                        if tries_here < policy.retry.same_backend_retries
-                            && f.retryable(&policy.retry.retry_on)
-                        {
+                        let retryable = f.retryable(&policy.retry.retry_on);
+                        walk.not_retryable |= !retryable;
+                        if tries_here < policy.retry.same_backend_retries && retryable {
                             if !ra_ok {
                                 // Retry-After says when; longer than we wait in-request: move on.
                                 walk.gate_blocked = true;
@@ -423,6 +425,9 @@ impl Governor {
                 RetryState::Exhausted
             } else if walk.made_retry && !walk.gate_blocked {
                 RetryState::Retried
+            } else if walk.not_retryable && !walk.made_retry && !walk.gate_blocked {
+                // Nothing blocked a retry: the failure (a 401) is not one to retry.
+                RetryState::NotRetryable
             } else {
                 RetryState::Blocked
             };

@@ -9,6 +9,7 @@ fn cfg(threshold: u32, probes: u32) -> CircuitCfg {
         recovery_timeout: Duration::from_secs(30),
         half_open_max_calls: probes,
         accept_retry_after: true,
+        max_open: std::time::Duration::from_secs(86_400),
     }
 }
 

@@ -110,7 +110,21 @@ impl V<'_> {
             accept_retry_after: c
                 .and_then(|c| c.accept_retry_after)
                 .unwrap_or(DEFAULT_ACCEPT_RETRY_AFTER),
+            max_open: self.dur(
+                f,
+                p("circuit.max_open"),
+                c.and_then(|c| c.max_open.as_ref()),
+                DEFAULT_MAX_OPEN,
+                true,
+            ),
         };
+        if circuit.max_open < circuit.recovery_timeout {
+            self.err::<()>(
+                f,
+                p("circuit.max_open"),
+                "must not be shorter than circuit.recovery_timeout",
+            );
+        }
         let max_in_flight = b
             .max_in_flight
             .map(|n| self.nonzero(f, p("max_in_flight"), Some(&n), n));

@@ -22,8 +22,9 @@ mod validate;
 mod tests;
 
 pub use error::{PolicyError, PolicyErrors};
-pub use raw::parse_duration;
+pub use raw::{parse_duration, DEFAULT_MAX_OPEN};
 pub(crate) use source::policy_files;
+pub use source::{read_policy_file, MAX_POLICY_FILE_BYTES};
 pub use types::*;
 
 use crate::units::Micros;

@@ -31,6 +31,8 @@ pub const DEFAULT_FAILURE_THRESHOLD: u32 = 5;
 pub const DEFAULT_RECOVERY_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_HALF_OPEN_MAX_CALLS: u32 = 1;
 pub const DEFAULT_ACCEPT_RETRY_AFTER: bool = true;
+pub const DEFAULT_MAX_OPEN: Duration = Duration::from_secs(24 * 3600);
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 10_000;
 pub const DEFAULT_MAX_ATTEMPTS_PER_JOB: u32 = 3;
 pub const DEFAULT_SAME_BACKEND_RETRIES: u32 = 1;
 pub const DEFAULT_RETRY_ON: [RetryOn; 7] = [
@@ -98,6 +100,7 @@ pub struct RawServer {
     pub max_body_bytes: Option<u64>,
     pub header_read_timeout: Option<RawDuration>,
     pub shutdown_grace: Option<RawDuration>,
+    pub max_connections: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -169,6 +172,7 @@ pub struct RawCircuit {
     pub recovery_timeout: Option<RawDuration>,
     pub half_open_max_calls: Option<u32>,
     pub accept_retry_after: Option<bool>,
+    pub max_open: Option<RawDuration>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -60,6 +60,12 @@ impl V<'_> {
                 DEFAULT_SHUTDOWN_GRACE,
                 false,
             ),
+            max_connections: self.nonzero(
+                f,
+                "server.max_connections".into(),
+                get!(m.server, max_connections),
+                DEFAULT_MAX_CONNECTIONS,
+            ),
         }
     }
 

@@ -81,12 +81,47 @@ pub(crate) fn policy_files(dir: &Path) -> std::io::Result<Vec<(String, std::path
     Ok(files)
 }
 
+/// The largest policy file read (a policy is a few KB; a huge one stalls every reload).
+pub const MAX_POLICY_FILE_BYTES: u64 = 4 * 1024 * 1024;
+
+/// Reads one policy file: only a regular file (after following symlinks — a FIFO would block
+/// the reader forever, `/dev/zero` would never end), at most [`MAX_POLICY_FILE_BYTES`].
+/// Blocking: callers on the async runtime run it in `spawn_blocking`.
+pub fn read_policy_file(path: &Path) -> std::io::Result<String> {
+    use std::io::{Error, ErrorKind, Read};
+    let meta = std::fs::metadata(path)?;
+    if !meta.is_file() {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            "not a regular file (a policy must be a file or a directory of *.yaml files)",
+        ));
+    }
+    let too_big = || {
+        Error::new(
+            ErrorKind::InvalidData,
+            format!("larger than the {MAX_POLICY_FILE_BYTES}-byte limit for a policy file"),
+        )
+    };
+    if meta.len() > MAX_POLICY_FILE_BYTES {
+        return Err(too_big());
+    }
+    // The file may grow between the look and the read: the read is capped too.
+    let mut text = String::new();
+    std::fs::File::open(path)?
+        .take(MAX_POLICY_FILE_BYTES + 1)
+        .read_to_string(&mut text)?;
+    if text.len() as u64 > MAX_POLICY_FILE_BYTES {
+        return Err(too_big());
+    }
+    Ok(text)
+}
+
 /// Reads a policy file, or every visible `*.yaml`/`*.yml` in a directory, sorted by name.
 pub(crate) fn read_sources(path: &Path) -> Result<Vec<Source>, PolicyErrors> {
     let shown = path.display().to_string();
     let io_err = |file: &str, e: std::io::Error| PolicyError::new(file, None, "", e.to_string());
     if !path.is_dir() {
-        let text = std::fs::read_to_string(path).map_err(|e| io_err(&shown, e))?;
+        let text = read_policy_file(path).map_err(|e| io_err(&shown, e))?;
         return Ok(vec![Source {
             name: shown,
             text: Some(text),
@@ -103,7 +138,7 @@ pub(crate) fn read_sources(path: &Path) -> Result<Vec<Source>, PolicyErrors> {
     let mut errs = Vec::new();
     for (_, p) in files {
         let name = p.display().to_string();
-        match std::fs::read_to_string(&p) {
+        match read_policy_file(&p) {
             Ok(text) => out.push(Source {
                 name,
                 text: Some(text),

@@ -536,3 +536,29 @@ fn eligibility_follows_the_key_variable() {
     let path_value = std::env::var("PATH").unwrap_or_default();
     assert!(summary(&p).contains("key $PATH") && !summary(&p).contains(&path_value));
 }
+
+#[test]
+fn only_regular_files_within_the_size_cap_are_read() {
+    let dir = tempfile::tempdir().unwrap();
+    // A FIFO would block the reader forever: refused before opening.
+    let fifo = dir.path().join("policy.yaml");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .is_ok_and(|s| s.success());
+    if made {
+        let e = super::load(&fifo).unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{e}");
+    }
+    // A symlink to /dev/zero is followed and refused (it would never end).
+    let zero = dir.path().join("zero.yaml");
+    std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+    let e = super::load(&zero).unwrap_err().to_string();
+    assert!(e.contains("not a regular file"), "{e}");
+    // Past the cap: refused with the limit named.
+    let big = dir.path().join("big.yaml");
+    let pad = "#".repeat(1024) + "\n";
+    std::fs::write(&big, pad.repeat(4 * 1024 + 1)).unwrap();
+    let e = super::load(&big).unwrap_err().to_string();
+    assert!(e.contains("4194304-byte limit"), "{e}");
+}

@@ -53,6 +53,8 @@ pub struct ServerCfg {
     pub header_read_timeout: Duration,
     /// Graceful shutdown deadline for in-flight requests.
     pub shutdown_grace: Duration,
+    /// Open connections per port; past it new ones get a 503 and are closed.
+    pub max_connections: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -157,6 +159,8 @@ pub struct CircuitCfg {
     pub recovery_timeout: Duration,
     pub half_open_max_calls: u32,
     pub accept_retry_after: bool,
+    /// The longest any opening may hold, whatever the upstream asks (a Retry-After of years).
+    pub max_open: Duration,
 }
 
 #[derive(Debug, Clone)]
@@ -361,7 +365,7 @@ pub enum StateBackend {
     Redis,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StateCfg {
     pub backend: StateBackend,
     pub path: String,
@@ -395,7 +399,7 @@ pub enum AuditSink {
     Off,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct AuditCfg {
     pub sink: AuditSink,
     pub path: String,

@@ -365,6 +365,10 @@ fn until_quota_reset(now_ms: i64) -> i64 {
 }
 
 impl Provider for Gemini {
+    fn error_hint(&self, status: u16, body: &[u8], now_ms: i64) -> ErrorHint {
+        error_hint(status, body, now_ms)
+    }
+
     fn supports(&self, endpoint: Endpoint) -> bool {
         endpoint == Endpoint::Chat
     }

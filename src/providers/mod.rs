@@ -134,8 +134,9 @@ pub trait Provider: Sync {
 
     /// What an error body says beyond the headers: a delay (Gemini's `RetryInfo`) and whether
     /// the backend is out for a long time (a per-day quota), which opens its circuit at once.
-    fn error_hint(&self, status: u16, body: &[u8], now_ms: i64) -> ErrorHint {
-        gemini::error_hint(status, body, now_ms)
+    /// Nothing by default: each kind that has such a body reads it with its own parser.
+    fn error_hint(&self, _status: u16, _body: &[u8], _now_ms: i64) -> ErrorHint {
+        ErrorHint::default()
     }
 
     /// A client error (4xx that is passed to the client) in OpenAI's error shape; `None`

@@ -60,6 +60,12 @@ fn path_of(e: Endpoint) -> &'static str {
 }
 
 impl Provider for OpenAi {
+    /// Gemini's OpenAI-compatible endpoint is a `kind: openai` backend: its error bodies
+    /// (wrapped in a one-element array) carry `RetryInfo` and per-day quotas.
+    fn error_hint(&self, status: u16, body: &[u8], now_ms: i64) -> super::ErrorHint {
+        super::gemini::error_hint(status, body, now_ms)
+    }
+
     fn translates_answers(&self) -> bool {
         false
     }

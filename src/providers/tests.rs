@@ -467,6 +467,22 @@ fn gemini_errors_give_retry_info_and_per_day_quota_is_a_long_outage() {
     assert_eq!(h.delay_ms, Some(12 * 3_600_000));
 }
 
+#[test]
+fn anthropic_and_ollama_bodies_are_not_read_with_geminis_parser() {
+    let per_day = br#"{"error":{"code":429,"details":[
+        {"@type":"type.googleapis.com/google.rpc.QuotaFailure","violations":[{"quotaId":"RequestsPerDay"}]},
+        {"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":"40s"}]}}"#;
+    assert!(gemini::Gemini.error_hint(429, per_day, 0).long_outage);
+    assert_eq!(
+        anthropic::Anthropic.error_hint(429, per_day, 0),
+        ErrorHint::default()
+    );
+    assert_eq!(
+        ollama::Ollama.error_hint(429, per_day, 0),
+        ErrorHint::default()
+    );
+}
+
 // ---- Ollama ------------------------------------------------------------------------------
 
 #[test]

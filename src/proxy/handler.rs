@@ -1,6 +1,7 @@
 //! One governed request, as named phases over a per-request context:
 //! identify → read → estimate → route → govern (gates, reserve, call) → reconcile → record.
 
+use super::encoding::{self, DecodeError};
 use super::identity::{identify, IdentityError};
 use super::respond::{self, full, is_hop_by_hop, Body, Refusal};
 use super::snapshot::Snapshot;
@@ -103,7 +104,7 @@ async fn governed(
     req: Request<Incoming>,
     t0: Instant,
 ) -> Response<Body> {
-    let (parts, body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
     let policy = &snap.policy;
 
     // Identify.
@@ -142,10 +143,38 @@ async fn governed(
         Arc::from(""),
     );
 
-    // Read the body, bounded.
+    // Read the body, bounded; decoded (bounded) when compressed, never read past the limit
+    // it declares to a client waiting for `100 Continue`.
     let limit = policy.server.max_body_bytes;
-    let bytes = match read_body(body, limit as usize).await {
+    let (coding, too_much) = (
+        encoding::coding(&parts.headers),
+        encoding::expects_too_much(&parts.headers, limit),
+    );
+    parts.headers.remove(http::header::CONTENT_ENCODING);
+    let read = match coding {
+        Err(c) => Err(BodyError::Encoding(c)),
+        Ok(_) if too_much => Err(BodyError::TooLarge),
+        Ok(c) => read_body(body, limit as usize).await.and_then(|b| {
+            encoding::decode(c, b, limit as usize).map_err(|e| match e {
+                DecodeError::TooLarge => BodyError::TooLarge,
+                DecodeError::Corrupt(m) => BodyError::Corrupt(m),
+            })
+        }),
+    };
+    let bytes = match read {
         Ok(b) => b,
+        Err(BodyError::Encoding(c)) => {
+            let r = Refusal::UnsupportedEncoding(c);
+            return early(app, &snap, endpoint, r, rec, ReasonClass::BadRequest, t0).await;
+        }
+        Err(BodyError::Corrupt(m)) => {
+            let r = Refusal::BadRequest {
+                message: format!("the request body is not valid for its Content-Encoding: {m}"),
+                param: None,
+                code: "bad_content_encoding",
+            };
+            return early(app, &snap, endpoint, r, rec, ReasonClass::BadRequest, t0).await;
+        }
         Err(BodyError::TooLarge) => {
             return early(
                 app,
@@ -315,6 +344,10 @@ enum BodyError {
     TooLarge,
     Timeout,
     Broken(hyper::Error),
+    /// A `Content-Encoding` not decoded here.
+    Encoding(String),
+    /// Not valid data of its `Content-Encoding`.
+    Corrupt(String),
 }
 
 /// What is read and thrown away of a body over the limit, so that a client still writing it

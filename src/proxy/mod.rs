@@ -1,6 +1,8 @@
 //! The sidecar: an OpenAI-compatible HTTP front that runs every request through the governor
 //! and calls the chosen upstream. The I/O shell around the pure core.
 
+mod conn;
+mod encoding;
 pub mod handler;
 pub mod identity;
 pub mod limits_view;

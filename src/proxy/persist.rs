@@ -36,7 +36,7 @@ impl State {
                 let circuits = store.load(&ledger, now, cfg.job_idle_ttl.as_millis() as i64)?;
                 let governor = Arc::new(Governor::new(ledger.clone()));
                 for c in &circuits {
-                    restore_circuit(&governor, c);
+                    restore_circuit(&governor, c, policy, now);
                 }
                 tracing::info!(
                     path = %cfg.path,
@@ -98,14 +98,20 @@ fn circuit_rows(g: &Governor) -> Vec<CircuitRow> {
         .collect()
 }
 
-fn restore_circuit(g: &Governor, c: &CircuitRow) {
+/// Seeds one persisted circuit, its hold capped at `now + circuit.max_open` of its backend
+/// (the default cap for a backend no longer in the policy).
+fn restore_circuit(g: &Governor, c: &CircuitRow, policy: &Policy, now: i64) {
     let state = CircuitState::parse(&c.state).unwrap_or(CircuitState::Closed);
+    let max_open = policy
+        .backend(&c.backend)
+        .map_or(crate::policy::DEFAULT_MAX_OPEN, |b| b.circuit.max_open);
+    let cap = now.saturating_add(i64::try_from(max_open.as_millis()).unwrap_or(i64::MAX));
     // Probes in flight died with the old process.
     g.circuit(&Arc::from(c.backend.as_str())).restore(
         state,
         c.failures,
         c.opened_at,
-        c.open_until,
+        c.open_until.min(cap),
         0,
     );
 }
@@ -137,6 +143,7 @@ state: {{backend: sqlite, path: '{}', flush_interval: 10s}}
             recovery_timeout: Duration::from_secs(600),
             half_open_max_calls: 1,
             accept_retry_after: true,
+            max_open: std::time::Duration::from_secs(86_400),
         };
         assert!(first
             .governor
@@ -175,6 +182,35 @@ state: {{backend: sqlite, path: '{}', flush_interval: 10s}}
             .get(&day)
             .expect("the counter came back");
         assert_eq!(back.committed(), used);
+        second.finish().await;
+    }
+
+    #[tokio::test]
+    async fn a_persisted_hold_of_years_comes_back_capped_at_max_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("s.db");
+        let yaml = format!(
+            "version: p-1
+backends: [{{id: primary, kind: openai, base_url: 'http://127.0.0.1:9/v1', circuit: {{max_open: 1h}}}}]
+routes: [{{model: chat, chain: [{{backend: primary, model: small}}]}}]
+state: {{backend: sqlite, path: '{}', flush_interval: 10s}}
+",
+            db.display()
+        );
+        let policy = crate::policy::from_str(&yaml, "p.yaml").unwrap();
+        let first = State::open(&policy).unwrap();
+        let now = jiff::Timestamp::now().as_millisecond();
+        let years = now + 99_999_999_000;
+        first
+            .governor
+            .circuit(&Arc::from("primary"))
+            .restore(CircuitState::Open, 1, now, years, 0);
+        first.finish().await;
+
+        let second = State::open(&policy).unwrap();
+        let until = second.governor.circuit(&Arc::from("primary")).open_until();
+        assert!(until <= jiff::Timestamp::now().as_millisecond() + 3_600_000);
+        assert!(until >= now + 3_600_000 - 1);
         second.finish().await;
     }
 }

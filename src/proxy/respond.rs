@@ -36,6 +36,8 @@ pub enum Refusal {
     /// Not an endpoint of the data port.
     NotFound(String),
     MethodNotAllowed,
+    /// A request `Content-Encoding` the sidecar does not decode.
+    UnsupportedEncoding(String),
     /// The governor said DEFER or HARD_STOP.
     Governed,
 }
@@ -48,6 +50,7 @@ impl Refusal {
             Refusal::UnknownModel(_) | Refusal::NotFound(_) => StatusCode::NOT_FOUND,
             Refusal::Unauthenticated(_) => StatusCode::UNAUTHORIZED,
             Refusal::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            Refusal::UnsupportedEncoding(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Refusal::Governed => {
                 StatusCode::from_u16(rec.http_status).unwrap_or(StatusCode::FORBIDDEN)
             }
@@ -96,6 +99,12 @@ impl Refusal {
                 "method_not_allowed".into(),
                 None,
                 "method not allowed".into(),
+            ),
+            Refusal::UnsupportedEncoding(c) => (
+                "invalid_request_error",
+                "unsupported_content_encoding".into(),
+                None,
+                format!("request Content-Encoding `{c}` is not supported: send gzip, deflate or identity"),
             ),
             Refusal::Governed => {
                 let ty = match (rec.final_action, rec.http_status) {

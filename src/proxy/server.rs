@@ -1,6 +1,7 @@
 //! Listeners and connections: HTTP/1.1 and h2c on the data port, bounded header reads,
 //! graceful drain on shutdown. Also the admin port (`crate::admin`) and the policy watcher.
 
+use super::conn;
 use super::handler::{handle, App};
 use super::snapshot::Snapshot;
 use super::transport::Transport;
@@ -65,7 +66,6 @@ pub async fn start_with(
     let data = bind(opts.listen, &snap.policy.server.listen).await?;
     let admin_l = bind(opts.admin_listen, &snap.policy.server.admin_listen).await?;
     let (addr, admin_addr) = (data.local_addr()?, admin_l.local_addr()?);
-    let header_timeout = snap.policy.server.header_read_timeout;
     crate::telemetry::global().configure(&snap.policy);
     let ops = Arc::new(Ops::new(snap.policy.version.clone()));
     let app = Arc::new(App {
@@ -76,14 +76,19 @@ pub async fn start_with(
     });
     let (stop, stop_rx) = watch::channel(false);
     let a = app.clone();
-    let data_task = tokio::spawn(serve(data, stop_rx.clone(), header_timeout, move |req| {
-        handle(a.clone(), req)
-    }));
+    let data_task = tokio::spawn(serve(
+        data,
+        stop_rx.clone(),
+        app.clone(),
+        "data",
+        move |req| handle(a.clone(), req),
+    ));
     let (a, o) = (app.clone(), ops.clone());
     let admin_task = tokio::spawn(serve(
         admin_l,
         stop_rx.clone(),
-        header_timeout,
+        app.clone(),
+        "admin",
         move |req| admin::handle(a.clone(), o.clone(), req),
     ));
     let sweeper = tokio::spawn(sweep(app.clone(), stop_rx));
@@ -144,18 +149,9 @@ async fn sweep(app: Arc<App>, mut stop: watch::Receiver<bool>) {
     }
 }
 
-async fn serve<F, Fut>(
-    listener: TcpListener,
-    mut stop: watch::Receiver<bool>,
-    header_timeout: Duration,
-    svc: F,
-) where
-    F: Fn(hyper::Request<hyper::body::Incoming>) -> Fut + Clone + Send + Sync + 'static,
-    Fut: std::future::Future<
-            Output = Result<hyper::Response<super::respond::Body>, std::convert::Infallible>,
-        > + Send
-        + 'static,
-{
+/// The connection settings of a port, read from the policy in force at each accept (so a
+/// reload changes them for new connections).
+fn builder(header_timeout: Duration) -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -167,6 +163,23 @@ async fn serve<F, Fut>(
         .http2()
         .timer(TokioTimer::new())
         .keep_alive_interval(Some(Duration::from_secs(30)));
+    builder
+}
+
+async fn serve<F, Fut>(
+    listener: TcpListener,
+    mut stop: watch::Receiver<bool>,
+    app: Arc<App>,
+    port: &'static str,
+    svc: F,
+) where
+    F: Fn(hyper::Request<hyper::body::Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<
+            Output = Result<hyper::Response<super::respond::Body>, std::convert::Infallible>,
+        > + Send
+        + 'static,
+{
+    let gate = conn::Gate::default();
     let graceful = GracefulShutdown::new();
     loop {
         tokio::select! {
@@ -180,22 +193,41 @@ async fn serve<F, Fut>(
                         continue;
                     }
                 };
+                let server = &app.snap.load().policy.server;
+                let (header_timeout, max) = (server.header_read_timeout, server.max_connections);
+                let Some(slot) = gate.enter(max as usize) else {
+                    tokio::spawn(conn::refuse(stream, port));
+                    continue;
+                };
                 let _ = stream.set_nodelay(true);
                 let svc = svc.clone();
-                let conn = builder.serve_connection(TokioIo::new(stream), service_fn(svc)).into_owned();
-                let conn = graceful.watch(conn);
+                let watcher = graceful.watcher();
                 tokio::spawn(async move {
-                    let _ = conn.await;
+                    let _slot = slot;
+                    // hyper's header timer starts with the first byte: a silent socket is
+                    // closed here instead of sitting open forever.
+                    if !conn::first_byte(&stream, header_timeout, port).await {
+                        return;
+                    }
+                    let conn = builder(header_timeout)
+                        .serve_connection(TokioIo::new(stream), service_fn(svc))
+                        .into_owned();
+                    let _ = watcher.watch(conn).await;
                 });
             }
             _ = stop.changed() => break,
         }
     }
     drop(listener);
-    // In-flight requests finish; idle keep-alive connections close.
+    // In-flight requests finish (up to `server.shutdown_grace`); idle keep-alive connections
+    // close.
+    let grace = app.snap.load().policy.server.shutdown_grace;
     tokio::select! {
         _ = graceful.shutdown() => {}
-        _ = tokio::time::sleep(Duration::from_secs(30)) => tracing::warn!("shutdown grace ran out with connections open"),
+        _ = tokio::time::sleep(grace) => tracing::warn!(
+            grace_ms = grace.as_millis() as u64,
+            "shutdown grace ran out with connections open"
+        ),
     }
 }
 
@@ -204,6 +236,12 @@ async fn serve<F, Fut>(
 /// logging, and every trigger goes through them.
 pub fn reload(app: &App, path: &std::path::Path) -> Result<Arc<str>, String> {
     let snap = super::snapshot::load(path)?;
+    apply(app, snap)
+}
+
+/// Swaps in a prepared snapshot, unless it changes a key that only takes effect at start.
+pub fn apply(app: &App, snap: Snapshot) -> Result<Arc<str>, String> {
+    start_only_unchanged(&app.snap.load().policy, &snap.policy)?;
     let version = snap.policy.version.clone();
     let ids: Vec<Arc<str>> = snap.policy.backends.iter().map(|b| b.id.clone()).collect();
     crate::telemetry::global().configure(&snap.policy);
@@ -211,4 +249,33 @@ pub fn reload(app: &App, path: &std::path::Path) -> Result<Arc<str>, String> {
     app.governor
         .retain_circuits(|id| ids.iter().any(|b| &**b == id));
     Ok(version)
+}
+
+/// Refuses a reload that changes what is bound or opened once at start: the listeners and
+/// the state and audit stores. Applying the rest would leave the sidecar half on each policy.
+fn start_only_unchanged(
+    old: &crate::policy::Policy,
+    new: &crate::policy::Policy,
+) -> Result<(), String> {
+    let mut changed = Vec::new();
+    if old.server.listen != new.server.listen {
+        changed.push("server.listen");
+    }
+    if old.server.admin_listen != new.server.admin_listen {
+        changed.push("server.admin_listen");
+    }
+    if old.state != new.state {
+        changed.push("state");
+    }
+    if old.audit != new.audit {
+        changed.push("audit");
+    }
+    if changed.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "{} changed: server.listen, server.admin_listen, state.* and audit.* take effect only \
+         at start; restart the sidecar to change them (reload refused, the old policy stays in force)",
+        changed.join(", ")
+    ))
 }

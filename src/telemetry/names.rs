@@ -32,6 +32,10 @@ pub const TOLLGATE_POLICY_RELOADS_TOTAL: &str = "tollgate_policy_reloads_total";
 pub const TOLLGATE_POLICY_INFO: &str = "tollgate_policy_info";
 /// counter {outcome}: alert crossings and their webhook deliveries (an extension).
 pub const TOLLGATE_ALERTS_TOTAL: &str = "tollgate_alerts_total";
+/// counter {port, reason}: connections closed by the sidecar before any request: `limit`
+/// (past `server.max_connections`, answered 503) or `idle` (no byte within
+/// `server.header_read_timeout`).
+pub const TOLLGATE_CONNECTIONS_REFUSED_TOTAL: &str = "tollgate_connections_refused_total";
 
 /// Upstream latency buckets, seconds: local models answer in ms, big ones in a minute.
 pub const DURATION_BUCKETS: &[f64] = &[
@@ -106,5 +110,10 @@ pub fn describe() {
         TOLLGATE_ALERTS_TOTAL,
         Unit::Count,
         "Alert threshold crossings (logged) and webhook deliveries (delivered/failed/dropped)"
+    );
+    describe_counter!(
+        TOLLGATE_CONNECTIONS_REFUSED_TOTAL,
+        Unit::Count,
+        "Connections closed before any request, by port (data/admin) and reason (limit/idle)"
     );
 }
