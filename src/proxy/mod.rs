@@ -3,6 +3,7 @@
 
 pub mod handler;
 pub mod identity;
+mod limit_headers;
 pub mod persist;
 pub mod respond;
 pub mod server;
