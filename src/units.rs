@@ -29,6 +29,42 @@ pub fn valid_id(s: &str) -> bool {
         && s.bytes().all(|b| {
             b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':' | b'@' | b'/')
         })
+/// Groups the digits of `n` by thousands: `1234567` → `"1,234,567"`.
+pub fn group_thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, ch) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    out
+}
+
+/// Micro-dollars as people read money: `$49.45`, `$1,250.00`, `$0.0042`. From one dollar up
+/// the amount is rounded to the cent; below it, every non-zero digit is kept (at least two
+/// decimals), so a small price never reads as `$0.00`. Never micro-units.
+pub fn fmt_usd(m: Micros) -> String {
+    if m >= 1_000_000 {
+        let cents = m.saturating_add(5_000) / 10_000;
+        return format!("${}.{:02}", group_thousands(cents / 100), cents % 100);
+    }
+    let mut frac = format!("{m:06}");
+    while frac.len() > 2 && frac.ends_with('0') {
+        frac.pop();
+    }
+    format!("$0.{frac}")
+}
+
+/// An amount in a dimension, for messages: `5,000 tokens`, `12 requests`, `$49.45`.
+pub fn fmt_amount(dim: Dim, v: u64) -> String {
+    match dim {
+        Dim::Usd => fmt_usd(v),
+        Dim::Tokens => format!("{} tokens", group_thousands(v)),
+        Dim::Requests if v == 1 => "1 request".to_string(),
+        Dim::Requests => format!("{} requests", group_thousands(v)),
+    }
 }
 
 /// Who a counter belongs to (SPEC §4 "Scopes").
@@ -177,3 +213,36 @@ impl Amount {
 
 /// Milliseconds since the Unix epoch: the only notion of "now" the core knows.
 pub type Millis = i64;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dollars_read_as_dollars() {
+        assert_eq!(fmt_usd(49_450_000), "$49.45");
+        assert_eq!(fmt_usd(50_000_000), "$50.00");
+        assert_eq!(fmt_usd(49_454_999), "$49.45");
+        assert_eq!(fmt_usd(49_455_000), "$49.46");
+        assert_eq!(fmt_usd(1_234_567_890_000), "$1,234,567.89");
+        assert_eq!(fmt_usd(1_000_000), "$1.00");
+        assert_eq!(fmt_usd(999_999), "$0.999999");
+        assert_eq!(fmt_usd(500_000), "$0.50");
+        assert_eq!(fmt_usd(4_200), "$0.0042");
+        assert_eq!(fmt_usd(1), "$0.000001");
+        assert_eq!(fmt_usd(0), "$0.00");
+        assert_eq!(fmt_usd(u64::MAX), "$18,446,744,073,709.55");
+    }
+
+    #[test]
+    fn amounts_name_their_unit() {
+        assert_eq!(fmt_amount(Dim::Tokens, 5000), "5,000 tokens");
+        assert_eq!(fmt_amount(Dim::Tokens, 999), "999 tokens");
+        assert_eq!(fmt_amount(Dim::Requests, 1), "1 request");
+        assert_eq!(fmt_amount(Dim::Requests, 1200), "1,200 requests");
+        assert_eq!(fmt_amount(Dim::Usd, 12_500_000), "$12.50");
+        assert_eq!(group_thousands(0), "0");
+        assert_eq!(group_thousands(100), "100");
+        assert_eq!(group_thousands(1000), "1,000");
+    }
+}

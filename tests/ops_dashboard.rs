@@ -166,7 +166,7 @@ retry: {{max_attempts_per_job: 4, same_backend_retries: 0}}
 quotas:
   - {{name: dh-ok-daily, scope: backend, match: dh-ok, window: day, limit_tokens: 1000000, alert_at: [0.7, 0.9]}}
 budgets:
-  - {{name: dh-monthly, scope: global, window: month, hard_usd: 500}}
+  - {{name: dh-monthly, scope: global, window: month, hard_usd: 500, soft_usd: 400}}
 "#,
         ok = ok.base_url(),
         bad = bad.base_url()
@@ -367,6 +367,28 @@ async fn dashboard_renders_the_status_numbers_in_headless_chromium() {
     assert!(
         dom.0.contains("data-limit=\"dh-ok-daily\"") && dom.0.contains("data-limit=\"dh-monthly\"")
     );
+    // Money reads as dollars, the way tollgate's messages write it, and the soft cap shows.
+    let usd = |v: f64| tollgate::units::fmt_usd(tollgate::units::usd_to_micros(v));
+    let cost = st["cost_month_usd"].as_f64().unwrap();
+    assert!(cost > 0.0);
+    assert_eq!(dom.id("cost-month").text, usd(cost), "cost this month");
+    let row = dom.row("data-limit", "dh-monthly");
+    let used = dom.field(row, "used");
+    assert!(
+        used.text.starts_with('$') && !used.text.contains('e'),
+        "{}",
+        used.text
+    );
+    let m = st["limits"].as_array().unwrap();
+    let monthly = m.iter().find(|l| l["name"] == "dh-monthly").unwrap();
+    assert_eq!(used.text, monthly["used_text"].as_str().unwrap());
+    assert_eq!(used.text, usd(monthly["used"].as_f64().unwrap()));
+    assert_eq!(dom.field(row, "limit").text, "$500.00");
+    assert_eq!(dom.field(row, "soft").text, "$400.00");
+    assert_eq!(monthly["soft"], 400.0);
+    assert!(row.contains("mark soft"), "no soft mark: {row}");
+    let daily = dom.row("data-limit", "dh-ok-daily");
+    assert_eq!(dom.field(daily, "limit").text, "1,000,000");
     let err = st["policy"]["last_error"]["message"].as_str().unwrap();
     assert!(err.contains("bogus"), "{err}");
     assert_eq!(dom.id("last-reload-error").value(), err);

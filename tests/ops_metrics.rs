@@ -269,10 +269,12 @@ async fn metrics_after_traffic_have_names_labels_and_values() {
     assert_eq!(quota["alert_at"], j!([0.9]));
     assert_eq!(quota["state"], "ok");
     let budget = limits.iter().find(|l| l["name"] == "m1-monthly").unwrap();
+    // Money in dollars (never micro-units), also as text.
     assert_eq!(
-        (budget["dim"].as_str(), budget["used"].as_u64()),
-        (Some("usd"), Some(73_000))
+        (budget["dim"].as_str(), budget["used"].as_f64()),
+        (Some("usd"), Some(0.073))
     );
+    assert_eq!(budget["used_text"], "$0.073");
 
     sc.stop().await;
 }

@@ -9,7 +9,7 @@ use crate::policy::{Bound, BoundClass, Match, Policy};
 use crate::proxy::App;
 use crate::telemetry::names::*;
 use crate::telemetry::stats::RECENT_MINUTES;
-use crate::units::{micros_to_usd, Dim, Scope};
+use crate::units::{fmt_amount, micros_to_usd, Dim, Scope};
 use serde_json::{json, Value};
 use std::sync::Arc;
 
@@ -51,6 +51,10 @@ struct Use {
     dim: Dim,
     used: u64,
     limit: u64,
+    /// The bound's soft limit in `dim`, if it has one (shown beside the hard one).
+    soft: Option<u64>,
+    /// Whether `limit` is a hard limit (else the bound is soft only).
+    hard: bool,
     reserved_tokens: u64,
 }
 
@@ -74,7 +78,8 @@ fn uses(app: &App, policy: &Policy, now: i64) -> Vec<(usize, Use)> {
         let counter = app.governor.ledger.get(&key);
         let committed = counter.as_ref().map(|c| c.committed()).unwrap_or_default();
         let reserved = counter.as_ref().map(|c| c.reserved()).unwrap_or_default();
-        let limits = if b.hard.is_empty() { b.soft } else { b.hard };
+        let hard = !b.hard.is_empty();
+        let limits = if hard { b.hard } else { b.soft };
         let best = Dim::ALL
             .into_iter()
             .filter_map(|d| limits.as_array()[d as usize].map(|l| (d, committed.get(d), l)))
@@ -90,6 +95,8 @@ fn uses(app: &App, policy: &Policy, now: i64) -> Vec<(usize, Use)> {
                     dim,
                     used,
                     limit,
+                    soft: b.soft.as_array()[dim as usize],
+                    hard,
                     reserved_tokens: reserved.tokens,
                 },
             ));
@@ -198,12 +205,19 @@ pub fn status(app: &App, ops: &Ops) -> Value {
         .map(|(i, u)| {
             let b = &policy.bounds[i];
             let ratio = u.ratio();
-            let state = if u.used >= u.limit {
+            let state = if u.hard && u.used >= u.limit {
                 "exhausted"
+            } else if u.soft.is_some_and(|s| u.used > s) {
+                "soft_exceeded"
             } else if b.alert_at.iter().any(|a| ratio >= *a) {
                 "alert"
             } else {
                 "ok"
+            };
+            // Dollars for money (never micro-units), counts otherwise.
+            let show = |v: u64| match u.dim {
+                Dim::Usd => json!(micros_to_usd(v)),
+                _ => json!(v),
             };
             json!({
                 "name": &*b.name,
@@ -212,8 +226,14 @@ pub fn status(app: &App, ops: &Ops) -> Value {
                 "id": &*u.key.id,
                 "window": b.window.map(|w| w.as_str()),
                 "dim": u.dim.as_str(),
-                "used": u.used,
-                "limit": u.limit,
+                "used": show(u.used),
+                "limit": show(u.limit),
+                "hard": u.hard,
+                "soft": u.soft.map(show),
+                "soft_ratio": u.soft.map(|s| s as f64 / u.limit.max(1) as f64),
+                "used_text": fmt_amount(u.dim, u.used),
+                "limit_text": fmt_amount(u.dim, u.limit),
+                "soft_text": u.soft.map(|s| fmt_amount(u.dim, s)),
                 "ratio": ratio,
                 "alert_at": &b.alert_at,
                 "reserved_tokens": u.reserved_tokens,

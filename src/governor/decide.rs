@@ -3,6 +3,7 @@
 //! pass-through client error, or a refusal with DEGRADE / DEFER / HARD_STOP.
 
 use super::circuit::{Admission, CircuitState};
+use super::limits;
 use super::plan::{self, PartInfo, Who};
 use super::record::*;
 use super::reserve::ReserveError;
@@ -28,6 +29,11 @@ struct Walk {
     request_block: Option<(Dim, u64)>,
     /// A request-wide rate limit or quota refused: no static answer hides that.
     payer_blocked: bool,
+    /// A request-wide bound is smaller than this request's own worst case: waiting cannot
+    /// help, so it is never DEFER (SPEC §3.2).
+    never_fits: bool,
+    /// A rate limit refused that the request fits once its window turns.
+    fits_later: bool,
     /// Earliest time (ms from now) waiting could help, when known.
     wait_hint_ms: Option<i64>,
     throttled: bool,
@@ -112,8 +118,16 @@ impl Governor {
 
         let primary_worst = primary_backend.worst_tokens(ctx.input_tokens, per_choice * n);
         rec.worst_case_tokens = primary_worst;
-        rec.worst_case_usd =
-            micros_to_usd(primary_backend.worst_cost(ctx.input_tokens, per_choice * n));
+        let primary_price = route.chain[0].price_on(primary_backend);
+        rec.worst_case_usd = micros_to_usd(
+            plan::worst_amount(
+                primary_backend,
+                primary_price,
+                ctx.input_tokens,
+                per_choice * n,
+            )
+            .usd,
+        );
         let amp_cap = (primary_worst as f64 * policy.fallback.max_amplification).floor() as u64;
         let mut sum_worst: u64 = 0;
         let mut walk = Walk {
@@ -131,6 +145,7 @@ impl Governor {
                 continue;
             }
             walk.any_eligible = true;
+            let price = entry.price_on(backend);
             let entry_parts =
                 plan::entry_parts(policy, &windows, &self.ledger, backend, &entry.model);
             let mut tries_here: u32 = 0;
@@ -138,7 +153,8 @@ impl Governor {
             let mut entry_per_choice = per_choice;
             loop {
                 let now = clock.now_ms();
-                let amount = plan::worst_amount(backend, ctx.input_tokens, entry_per_choice * n);
+                let amount =
+                    plan::worst_amount(backend, price, ctx.input_tokens, entry_per_choice * n);
                 if let Some((dim, asked)) = walk.request_block {
                     if amount.get(dim) >= asked {
                         continue 'chain;
@@ -157,28 +173,48 @@ impl Governor {
                     }
                     Err(ReserveError::Refused(refusal)) => {
                         let part = all[refusal.part];
-                        let dim = refusal.refusal.dim;
+                        let r = refusal.refusal;
+                        let dim = r.dim;
                         let bidx = part.hard_src[dim as usize].unwrap_or(0);
                         let bound = &policy.bounds[bidx];
+                        let asked = amount.get(dim);
+                        let clamp_min = policy.degrade.clamp_min_output_tokens.map(u64::from);
+                        // Larger than the bound's whole limit, and no allowed clamp would fit
+                        // even an empty window: waiting can never help (SPEC §3.2).
+                        let never_fits = asked > r.hard
+                            && !clamp_min.is_some_and(|min| {
+                                limits::max_output_within(
+                                    dim,
+                                    r.hard,
+                                    backend,
+                                    price,
+                                    ctx.input_tokens,
+                                )
+                                .is_some_and(|out| out / n >= min)
+                            });
                         note_refusal(
                             &mut rec,
                             &mut walk,
                             bound,
                             part,
-                            refusal.refusal,
-                            amount.get(dim),
+                            r,
+                            asked,
                             backend.id.clone(),
                             &windows,
                             now,
+                            never_fits,
                         );
                         let request_wide = !part.key.scope.is_entry_scoped();
-                        if bound.class == BoundClass::Budget {
-                            if let Some(min) = policy.degrade.clamp_min_output_tokens {
-                                if let Some(total) =
-                                    plan::max_output_that_fits(&all, backend, ctx.input_tokens)
-                                {
+                        if bound.class == BoundClass::Budget || asked > r.hard {
+                            if let Some(min) = clamp_min {
+                                if let Some(total) = plan::max_output_that_fits(
+                                    &all,
+                                    backend,
+                                    price,
+                                    ctx.input_tokens,
+                                ) {
                                     let clamped = total / n;
-                                    if clamped >= u64::from(min) && clamped < entry_per_choice {
+                                    if clamped >= min && clamped < entry_per_choice {
                                         entry_per_choice = clamped;
                                         walk.degraded = true;
                                         continue;
@@ -186,8 +222,21 @@ impl Governor {
                                 }
                             }
                         }
+                        if rec.limit.is_none() || (never_fits && request_wide) {
+                            let refused = limits::Refused {
+                                bound,
+                                part,
+                                dim,
+                                used_total: r.used,
+                                limit: r.hard,
+                                requested: asked,
+                                never_fits,
+                            };
+                            rec.limit = Some(limits::detail(policy, &windows, &refused));
+                        }
                         if request_wide {
-                            walk.request_block = Some((dim, amount.get(dim)));
+                            walk.request_block = Some((dim, asked));
+                            walk.never_fits |= never_fits;
                             if bound.class != BoundClass::Budget {
                                 walk.payer_blocked = true;
                             }
@@ -289,8 +338,9 @@ impl Governor {
                         rec.upstream_model = Some(entry.model.clone());
                         rec.worst_case_tokens = amount.tokens;
                         rec.worst_case_usd = micros_to_usd(amount.usd);
+                        rec.token_limits = limits::token_limits(policy, &windows, &all);
                         rec.remaining_tokens =
-                            all.iter().filter_map(|p| p.remaining(Dim::Tokens)).min();
+                            limits::tightest(&rec.token_limits).map(|l| l.remaining);
                         if ei > 0 {
                             rec.fallback_state = FallbackState::Used;
                         }
@@ -307,6 +357,7 @@ impl Governor {
                             reservation,
                             parts,
                             backend_index: entry.backend,
+                            price,
                             forget_job,
                         };
                         return Outcome {
@@ -414,7 +465,10 @@ impl Governor {
             }
         }
 
-        // Nothing served.
+        // Nothing served. The request-wide token bounds still tell the client its room.
+        let req_refs: Vec<&PartInfo> = req_parts.iter().collect();
+        rec.token_limits = limits::token_limits(policy, &windows, &req_refs);
+        rec.remaining_tokens = limits::tightest(&rec.token_limits).map(|l| l.remaining);
         self.finish_counts(&mut rec, &job, sum_worst, primary_worst);
         self.end_job(ctx, &job_key);
         if !walk.any_eligible && rec.reason_class == ReasonClass::Ok {
@@ -451,13 +505,14 @@ impl Governor {
                 };
             }
         }
-        let deferrable = match rec.reason_class {
-            ReasonClass::QuotaBlocked
-            | ReasonClass::HardBudgetExceeded
-            | ReasonClass::ModelIneligible => false,
-            ReasonClass::RateLimited => true,
-            _ => walk.wait_hint_ms.is_some(),
-        };
+        let deferrable = !walk.never_fits
+            && match rec.reason_class {
+                ReasonClass::QuotaBlocked
+                | ReasonClass::HardBudgetExceeded
+                | ReasonClass::ModelIneligible => false,
+                ReasonClass::RateLimited => walk.fits_later || walk.wait_hint_ms.is_some(),
+                _ => walk.wait_hint_ms.is_some(),
+            };
         let hint = walk
             .wait_hint_ms
             .unwrap_or(policy.retry.backoff_initial.as_millis() as i64);
@@ -527,6 +582,7 @@ fn note_refusal(
     backend: Arc<str>,
     windows: &WindowSet,
     now: i64,
+    never_fits: bool,
 ) {
     match bound.class {
         BoundClass::RateLimit => {
@@ -534,8 +590,11 @@ fn note_refusal(
                 rec.quota_state = QuotaState::RateLimited;
             }
             rec.reason_class.note(ReasonClass::RateLimited);
-            if let Some(w) = bound.window {
-                walk.hint(windows.end(w) - now);
+            if !never_fits {
+                if let Some(w) = bound.window {
+                    walk.hint(windows.end(w) - now);
+                }
+                walk.fits_later = true;
             }
             walk.throttled = true;
         }

@@ -4,6 +4,7 @@
 
 pub mod circuit;
 mod decide;
+pub mod limits;
 pub mod plan;
 pub mod record;
 mod reserve;
@@ -64,6 +65,8 @@ pub struct Pending {
     reservation: Reservation,
     parts: Vec<PartInfo>,
     backend_index: usize,
+    /// The price of the chain entry that served (its own, else its backend's).
+    price: crate::policy::Price,
     /// The job to forget once settled (an undeclared, one-request job).
     forget_job: Option<Arc<str>>,
 }

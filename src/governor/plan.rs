@@ -2,7 +2,7 @@
 //! (scope, id, window) share one counter; their limits merge to the tightest per dimension.
 
 use crate::ledger::{Counter, CounterKey, Ledger, ReservePart, WindowSet};
-use crate::policy::{Backend, Bound, Policy};
+use crate::policy::{Backend, Bound, Policy, Price};
 use crate::units::{Amount, Dim, Scope};
 use std::sync::Arc;
 
@@ -164,11 +164,16 @@ pub fn entry_parts(
 }
 
 /// The worst case of one attempt on `backend`, in all three dimensions.
-pub fn worst_amount(backend: &Backend, input_tokens: u64, output_total: u64) -> Amount {
+pub fn worst_amount(
+    backend: &Backend,
+    price: Price,
+    input_tokens: u64,
+    output_total: u64,
+) -> Amount {
     Amount {
         tokens: backend.worst_tokens(input_tokens, output_total),
         requests: 1,
-        usd: backend.worst_cost(input_tokens, output_total),
+        usd: price.cost(backend.scaled_input(input_tokens), output_total),
     }
 }
 
@@ -176,29 +181,15 @@ pub fn worst_amount(backend: &Backend, input_tokens: u64, output_total: u64) -> 
 pub fn max_output_that_fits(
     parts: &[&PartInfo],
     backend: &Backend,
+    price: Price,
     input_tokens: u64,
 ) -> Option<u64> {
-    let scaled_in = backend.scaled_input(input_tokens);
     let mut best = u64::MAX;
     for p in parts {
-        if let Some(rem) = p.remaining(Dim::Requests) {
-            if rem < 1 {
-                return None;
-            }
-        }
-        if let Some(rem) = p.remaining(Dim::Tokens) {
-            best = best.min(rem.checked_sub(scaled_in)?);
-        }
-        if let Some(rem) = p.remaining(Dim::Usd) {
-            let price = backend.price;
-            let in_cost = price.cost(scaled_in, 0);
-            rem.checked_sub(in_cost)?;
-            if price.output_per_1k > 0 {
-                // cost(out) = ceil((in*pin + out*pout)/1000) <= rem  ⇐  out <= (rem*1000 - in*pin)/pout
-                let budget =
-                    (rem as u128) * 1000 - (scaled_in as u128) * (price.input_per_1k as u128);
-                let out = budget / price.output_per_1k as u128;
-                best = best.min(out.min(u64::MAX as u128) as u64);
+        for d in Dim::ALL {
+            if let Some(rem) = p.remaining(d) {
+                let out = super::limits::max_output_within(d, rem, backend, price, input_tokens)?;
+                best = best.min(out);
             }
         }
     }

@@ -163,6 +163,10 @@ pub struct Record {
     pub worst_case_usd: f64,
     pub actual_input_tokens: u64,
     pub actual_output_tokens: u64,
+    /// Of the actual input, read from the provider's prompt cache.
+    pub actual_cached_input_tokens: u64,
+    /// Of the actual input, written to the provider's prompt cache.
+    pub actual_cache_write_tokens: u64,
     pub cost_usd: f64,
     pub job_attempts: u32,
     pub retry_budget: u32,
@@ -173,6 +177,12 @@ pub struct Record {
     pub remaining_tokens: Option<u64>,
     pub attempts: Vec<AttemptRecord>,
     pub refusals: Vec<BoundNote>,
+    /// The bound that refused this request, as the client reads it (SPEC §3.2).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub limit: Option<super::limits::LimitDetail>,
+    /// The token bounds of the admitted call, for the rate-limit headers (not audited).
+    #[serde(skip)]
+    pub token_limits: Vec<super::limits::TokenLimit>,
     /// Alert thresholds this request's usage crossed (each crossing happens once per
     /// counter and window: committed usage only grows within a window).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -215,6 +225,8 @@ impl Record {
             worst_case_usd: 0.0,
             actual_input_tokens: 0,
             actual_output_tokens: 0,
+            actual_cached_input_tokens: 0,
+            actual_cache_write_tokens: 0,
             cost_usd: 0.0,
             job_attempts: 0,
             retry_budget: 0,
@@ -223,6 +235,8 @@ impl Record {
             remaining_tokens: None,
             attempts: Vec::new(),
             refusals: Vec::new(),
+            limit: None,
+            token_limits: Vec::new(),
             alerts: Vec::new(),
             error: None,
         }

@@ -349,10 +349,7 @@ state: {{backend: redis, redis_url: 'redis://127.0.0.1:1', on_unavailable: {on_u
             panic!("served")
         };
         let mut rec = out.record;
-        let usage = Usage {
-            input_tokens: 10,
-            output_tokens: 5,
-        };
+        let usage = Usage::new(10, 5);
         g.settle(p, &mut rec, pending, usage, UsageEvidence::Actual);
     }
 

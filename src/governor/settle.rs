@@ -3,14 +3,31 @@
 
 use super::record::{AlertNote, BudgetState, ReasonClass, Record, UsageEvidence};
 use super::{Governor, Pending};
-use crate::policy::Policy;
+use crate::policy::{Billed, Policy};
 use crate::units::{micros_to_usd, Amount, Dim};
 
 /// Usage of one served call, from the provider or the sidecar's own count.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Usage {
+    /// Every input token, cached and cache-written ones included.
     pub input_tokens: u64,
+    /// Every output token, reasoning included.
     pub output_tokens: u64,
+    /// Of the input, read from the provider's prompt cache (priced `cached_input`).
+    pub cached_input_tokens: u64,
+    /// Of the input, written to the provider's prompt cache (priced `cache_write`).
+    pub cache_write_tokens: u64,
+}
+
+impl Usage {
+    /// Plain input and output, no cache split.
+    pub fn new(input_tokens: u64, output_tokens: u64) -> Usage {
+        Usage {
+            input_tokens,
+            output_tokens,
+            ..Usage::default()
+        }
+    }
 }
 
 impl Governor {
@@ -26,23 +43,29 @@ impl Governor {
         let Pending {
             reservation,
             parts,
-            backend_index,
+            backend_index: _,
+            price,
             forget_job,
         } = pending;
-        let price = policy
-            .backends
-            .get(backend_index)
-            .map(|b| b.price)
-            .unwrap_or_default();
         let actual = Amount {
-            tokens: usage.input_tokens + usage.output_tokens,
+            tokens: usage.input_tokens.saturating_add(usage.output_tokens),
             requests: 1,
-            usd: price.cost(usage.input_tokens, usage.output_tokens),
+            usd: price.cost_billed(Billed {
+                input: usage.input_tokens,
+                cached: usage.cached_input_tokens,
+                cache_write: usage.cache_write_tokens,
+                output: usage.output_tokens,
+            }),
         };
         let before = reservation.commit(actual);
+        // The headers of a buffered answer count what this call really used.
+        super::limits::recount(&mut rec.token_limits, &parts);
+        rec.remaining_tokens = super::limits::tightest(&rec.token_limits).map(|l| l.remaining);
         rec.usage_evidence_state = evidence;
         rec.actual_input_tokens = usage.input_tokens;
         rec.actual_output_tokens = usage.output_tokens;
+        rec.actual_cached_input_tokens = usage.cached_input_tokens.min(usage.input_tokens);
+        rec.actual_cache_write_tokens = usage.cache_write_tokens;
         rec.cost_usd = micros_to_usd(actual.usd);
 
         let mut soft = false;

@@ -53,15 +53,7 @@ impl V<'_> {
             Some(r) => r,
             None => DEFAULT_TOKEN_RATIO,
         };
-        let pr = b.price_per_1k.as_ref();
-        let price = Price {
-            input_per_1k: pr
-                .and_then(|x| x.input)
-                .map_or(0, |u| self.usd(f, p("price_per_1k.input"), u, false)),
-            output_per_1k: pr
-                .and_then(|x| x.output)
-                .map_or(0, |u| self.usd(f, p("price_per_1k.output"), u, false)),
-        };
+        let price = self.price(f, &p("price_per_1k"), b.price_per_1k.as_ref());
         let t = b.timeouts.as_ref();
         let timeouts = Timeouts {
             connect: self.dur(
@@ -141,6 +133,23 @@ impl V<'_> {
         }
     }
 
+    /// A `price_per_1k` block: missing input/output cost nothing; missing cache rates are
+    /// the input rate (so a policy written before them costs the same).
+    fn price(&mut self, f: usize, at: &str, pr: Option<&RawPrice>) -> Price {
+        let mut side =
+            |v: Option<f64>, k: &str| v.map(|u| self.usd(f, format!("{at}.{k}"), u, false));
+        let input = side(pr.and_then(|x| x.input), "input").unwrap_or(0);
+        let output = side(pr.and_then(|x| x.output), "output").unwrap_or(0);
+        let cached = side(pr.and_then(|x| x.cached_input), "cached_input").unwrap_or(input);
+        let write = side(pr.and_then(|x| x.cache_write), "cache_write").unwrap_or(input);
+        Price {
+            input_per_1k: input,
+            output_per_1k: output,
+            cached_input_per_1k: cached,
+            cache_write_per_1k: write,
+        }
+    }
+
     pub(super) fn route(&mut self, it: &Item<RawRoute>, by_id: &HashMap<&str, usize>) -> Route {
         let (f, r) = (it.file, &it.v);
         let p = |k: &str| format!("routes[{}].{k}", it.index);
@@ -171,9 +180,14 @@ impl V<'_> {
                     format!("duplicate chain entry {bid}/{m} (same as chain[{first}])"),
                 );
             }
+            let price = e
+                .price_per_1k
+                .as_ref()
+                .map(|raw| self.price(f, &q("price_per_1k"), Some(raw)));
             chain.push(ChainEntry {
                 backend,
                 model: m.into(),
+                price,
             });
         }
         let static_response = match r.static_response.as_deref() {

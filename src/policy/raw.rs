@@ -149,12 +149,14 @@ pub struct RawBackend {
     pub max_in_flight: Option<u32>,
 }
 
-/// USD per 1000 tokens; a missing side costs nothing.
+/// USD per 1000 tokens; a missing side costs nothing; missing cache rates cost the input rate.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawPrice {
     pub input: Option<f64>,
     pub output: Option<f64>,
+    pub cached_input: Option<f64>,
+    pub cache_write: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -188,6 +190,7 @@ pub struct RawRoute {
 pub struct RawChainEntry {
     pub backend: Option<Text>,
     pub model: Option<Text>,
+    pub price_per_1k: Option<RawPrice>,
 }
 
 /// An entry of `rate_limits` or `quotas`.

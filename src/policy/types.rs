@@ -130,18 +130,54 @@ impl BackendKind {
     }
 }
 
-/// Price in micro-dollars per 1000 tokens.
+/// Price in micro-dollars per 1000 tokens. Cached input and cache writes are billed at
+/// their own rates (they default to the input price, so a policy without them costs the same).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Price {
     pub input_per_1k: Micros,
     pub output_per_1k: Micros,
+    /// Input tokens read from the provider's prompt cache.
+    pub cached_input_per_1k: Micros,
+    /// Input tokens written to the provider's prompt cache.
+    pub cache_write_per_1k: Micros,
+}
+
+/// Billed tokens of one call: `input` counts every input token, `cached` and `cache_write`
+/// are the parts of it the provider read from or wrote to its cache.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Billed {
+    pub input: u64,
+    pub cached: u64,
+    pub cache_write: u64,
+    pub output: u64,
 }
 
 impl Price {
-    /// Cost of a call in whole micro-dollars, rounded up (never under-reserve).
+    /// Worst-case cost of a call in whole micro-dollars, rounded up (never under-reserve):
+    /// input at the dearest input rate, since the cache split is known only afterwards.
     pub fn cost(&self, input_tokens: u64, output_tokens: u64) -> Micros {
-        let num = (input_tokens as u128) * (self.input_per_1k as u128)
+        let num = (input_tokens as u128) * (self.worst_input_per_1k() as u128)
             + (output_tokens as u128) * (self.output_per_1k as u128);
+        num.div_ceil(1000).min(u64::MAX as u128) as u64
+    }
+
+    /// The dearest of the input rates (plain, cached, cache write).
+    pub fn worst_input_per_1k(&self) -> Micros {
+        self.input_per_1k
+            .max(self.cached_input_per_1k)
+            .max(self.cache_write_per_1k)
+    }
+
+    /// Actual cost of a call with its cache split, rounded up. Cached and written tokens are
+    /// taken out of `input` (never more than it); the rest is plain input.
+    pub fn cost_billed(&self, b: Billed) -> Micros {
+        let cached = b.cached.min(b.input);
+        let write = b.cache_write.min(b.input - cached);
+        let plain = b.input - cached - write;
+        let num = (plain as u128) * (self.input_per_1k as u128)
+            + (cached as u128) * (self.cached_input_per_1k as u128)
+            + (write as u128) * (self.cache_write_per_1k as u128)
+            + (b.output as u128) * (self.output_per_1k as u128);
         num.div_ceil(1000).min(u64::MAX as u128) as u64
     }
 }
@@ -205,6 +241,15 @@ pub struct ChainEntry {
     pub backend: usize,
     /// The upstream model name sent to that backend.
     pub model: Arc<str>,
+    /// The entry's own `price_per_1k`, overriding its backend's.
+    pub price: Option<Price>,
+}
+
+impl ChainEntry {
+    /// The price of a call through this entry: its own, else its backend's.
+    pub fn price_on(&self, backend: &Backend) -> Price {
+        self.price.unwrap_or(backend.price)
+    }
 }
 
 #[derive(Debug, Clone)]

@@ -37,10 +37,14 @@ fn finish_reason(stop: Option<&str>) -> &'static str {
 fn usage_of(u: &Value) -> NativeUsage {
     let n = |k: &str| u.get(k).and_then(Value::as_u64).unwrap_or(0);
     let cache_read = n("cache_read_input_tokens");
+    let cache_write = n("cache_creation_input_tokens");
     NativeUsage {
-        prompt: n("input_tokens") + n("cache_creation_input_tokens") + cache_read,
+        prompt: n("input_tokens")
+            .saturating_add(cache_write)
+            .saturating_add(cache_read),
         completion: n("output_tokens"),
         cached: (cache_read > 0).then_some(cache_read),
+        cache_write: (cache_write > 0).then_some(cache_write),
         reasoning: None,
     }
 }
@@ -379,6 +383,7 @@ impl MessagesStream {
                         let fresh = usage_of(u);
                         cur.prompt = cur.prompt.max(fresh.prompt);
                         cur.cached = fresh.cached.or(cur.cached);
+                        cur.cache_write = fresh.cache_write.or(cur.cache_write);
                     }
                     self.usage = Some(cur);
                 }

@@ -48,6 +48,7 @@ fn usage_of(u: &Value) -> NativeUsage {
         prompt: n("promptTokenCount"),
         completion: n("candidatesTokenCount") + thoughts,
         cached: (cached > 0).then_some(cached),
+        cache_write: None,
         reasoning: (thoughts > 0).then_some(thoughts),
     }
 }

@@ -271,6 +271,8 @@ pub struct NativeUsage {
     pub completion: u64,
     /// Of the prompt, read from a cache.
     pub cached: Option<u64>,
+    /// Of the prompt, written to a cache (Anthropic's `cache_creation_input_tokens`).
+    pub cache_write: Option<u64>,
     /// Of the completion, reasoning.
     pub reasoning: Option<u64>,
 }
@@ -284,6 +286,9 @@ impl NativeUsage {
         });
         if let Some(c) = self.cached {
             u["prompt_tokens_details"] = json!({"cached_tokens": c});
+        }
+        if let Some(w) = self.cache_write {
+            u["cache_creation_input_tokens"] = json!(w);
         }
         if let Some(r) = self.reasoning {
             u["completion_tokens_details"] = json!({"reasoning_tokens": r});

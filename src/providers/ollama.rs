@@ -35,6 +35,7 @@ fn usage_of(v: &Value) -> NativeUsage {
         prompt: n("prompt_eval_count"),
         completion: n("eval_count"),
         cached: None,
+        cache_write: None,
         reasoning: None,
     }
 }

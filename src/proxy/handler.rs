@@ -489,11 +489,5 @@ fn buffered_usage(
             }
         }
     }
-    (
-        Usage {
-            input_tokens: est.input_tokens,
-            output_tokens: out,
-        },
-        UsageEvidence::Estimated,
-    )
+    (Usage::new(est.input_tokens, out), UsageEvidence::Estimated)
 }

@@ -6,6 +6,7 @@ mod encoding;
 pub mod handler;
 pub mod identity;
 pub mod limits_view;
+mod limit_headers;
 pub mod persist;
 pub mod respond;
 pub mod server;

@@ -3,7 +3,9 @@
 
 use super::snapshot::Snapshot;
 use crate::estimate::Endpoint;
+use crate::governor::limits::LimitDetail;
 use crate::governor::{FinalAction, ReasonClass, Record};
+use crate::units::fmt_amount;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
@@ -145,17 +147,63 @@ pub fn explain(rec: &Record) -> String {
         ReasonClass::BadRequest => "bad request",
         ReasonClass::Ok => "refused",
     };
+    let never = rec.limit.as_ref().is_some_and(|l| l.never_fits);
+    let why = if never {
+        "this request is larger than a limit allows"
+    } else {
+        why
+    };
     let mut s = format!("tollgate: {} ({})", why, rec.final_action);
-    if let Some(b) = rec.refusals.first() {
-        s.push_str(&format!(
-            "; {} `{}` ({} {}): {} {} used of {}, this request needs {}",
-            b.class, b.name, b.scope, b.id, b.used, b.dim, b.limit, b.asked
-        ));
+    if let Some(l) = &rec.limit {
+        s.push_str("; ");
+        describe_limit(&mut s, l);
     }
     if let Some(ra) = rec.retry_after {
         s.push_str(&format!("; retry after {ra} s"));
     }
     s
+}
+
+/// `rate_limit `consumer-tpm` (consumer alice, per minute): 4,700 tokens of 5,000 tokens
+/// used, this request needs 1,024 tokens; it resets at 2026-11-29T10:01:00+08:00`. Money in
+/// dollars, the reset in the policy's time zone.
+fn describe_limit(s: &mut String, l: &LimitDetail) {
+    use std::fmt::Write;
+    let f = |v: u64| fmt_amount(l.unit, v);
+    let _ = write!(s, "{} `{}` ({}", l.kind, l.name, l.scope);
+    if l.scope != "global" {
+        let _ = write!(s, " {}", l.id);
+    }
+    if let Some(w) = l.window {
+        let _ = write!(s, ", per {w}");
+    }
+    s.push_str("): ");
+    if l.never_fits {
+        let _ = write!(
+            s,
+            "this request needs {}, {} more than the whole limit of {}: it can never fit, \
+             waiting will not help; lower max_tokens or shorten the input",
+            f(l.requested),
+            f(l.requested.saturating_sub(l.limit)),
+            f(l.limit)
+        );
+        return;
+    }
+    if l.reserved > 0 {
+        let _ = write!(
+            s,
+            "{} used and {} reserved by calls in flight, of {}",
+            f(l.used),
+            f(l.reserved),
+            f(l.limit)
+        );
+    } else {
+        let _ = write!(s, "{} of {} used", f(l.used), f(l.limit));
+    }
+    let _ = write!(s, ", this request needs {}", f(l.requested));
+    if let Some(at) = &l.resets_at {
+        let _ = write!(s, "; it resets at {at}");
+    }
 }
 
 fn tollgate_object(rec: &Record) -> serde_json::Value {
@@ -170,6 +218,7 @@ fn tollgate_object(rec: &Record) -> serde_json::Value {
         "reason_class": rec.reason_class,
         "request_id": &*rec.request_id,
         "retry_after": rec.retry_after,
+        "limit": rec.limit.as_ref().map(LimitDetail::to_json),
     })
 }
 
@@ -178,9 +227,7 @@ static H_ACTION: HeaderName = HeaderName::from_static("x-tollgate-action");
 static H_REASON: HeaderName = HeaderName::from_static("x-tollgate-reason");
 static H_BACKEND: HeaderName = HeaderName::from_static("x-tollgate-backend");
 static H_VERSION: HeaderName = HeaderName::from_static("x-tollgate-policy-version");
-static H_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining-tokens");
-
-/// The `x-tollgate-*` headers (and `Retry-After`, `x-ratelimit-remaining-tokens`).
+/// The `x-tollgate-*` headers (and `Retry-After`, the token rate-limit headers).
 pub fn stamp(h: &mut HeaderMap, rec: &Record, snap: &Snapshot) {
     if let Ok(v) = HeaderValue::from_str(&rec.request_id) {
         h.insert(H_REQUEST_ID.clone(), v);
@@ -197,9 +244,7 @@ pub fn stamp(h: &mut HeaderMap, rec: &Record, snap: &Snapshot) {
         h.insert(H_BACKEND.clone(), v);
     }
     h.insert(H_VERSION.clone(), snap.version_header.clone());
-    if let Some(rem) = rec.remaining_tokens {
-        h.insert(H_REMAINING.clone(), HeaderValue::from(rem));
-    }
+    super::limit_headers::stamp(h, &rec.token_limits);
     if let Some(ra) = rec.retry_after {
         h.insert(http::header::RETRY_AFTER, HeaderValue::from(ra));
     }

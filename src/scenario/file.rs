@@ -128,6 +128,12 @@ pub struct Answer {
 pub struct AnswerUsage {
     pub input_tokens: u64,
     pub output_tokens: u64,
+    /// Of the input, read from the provider's prompt cache.
+    #[serde(default)]
+    pub cached_input_tokens: u64,
+    /// Of the input, written to the provider's prompt cache.
+    #[serde(default)]
+    pub cache_write_tokens: u64,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -253,6 +253,8 @@ pub async fn run(
                 Usage {
                     input_tokens: u.input_tokens,
                     output_tokens: u.output_tokens,
+                    cached_input_tokens: u.cached_input_tokens,
+                    cache_write_tokens: u.cache_write_tokens,
                 },
                 UsageEvidence::Actual,
             ),
@@ -262,13 +264,7 @@ pub async fn run(
                     .as_deref()
                     .map(|t| estimate::count_text(policy.estimate.tokenizer, t))
                     .unwrap_or(0);
-                (
-                    Usage {
-                        input_tokens,
-                        output_tokens: out,
-                    },
-                    UsageEvidence::Estimated,
-                )
+                (Usage::new(input_tokens, out), UsageEvidence::Estimated)
             }
         };
         governor.settle(policy, &mut record, pending, usage, evidence);

@@ -14,6 +14,19 @@ pub struct StreamUsage {
     pub completion_tokens: Option<u64>,
     #[serde(default)]
     pub total_tokens: Option<u64>,
+    /// `prompt_tokens_details.cached_tokens`: input read from the prompt cache.
+    #[serde(default)]
+    pub prompt_tokens_details: Option<PromptDetails>,
+    /// Input written to the prompt cache, under Anthropic's name (the sidecar's translated
+    /// answers and OpenAI-compatible gateways carry it here).
+    #[serde(default)]
+    pub cache_creation_input_tokens: Option<u64>,
+}
+
+#[derive(Debug, Deserialize, Default, Clone, Copy, PartialEq, Eq)]
+pub struct PromptDetails {
+    #[serde(default)]
+    pub cached_tokens: Option<u64>,
 }
 
 impl StreamUsage {
@@ -23,9 +36,12 @@ impl StreamUsage {
         let input = self.prompt_tokens?;
         let completion = self.completion_tokens.unwrap_or(0);
         let from_total = self.total_tokens.map_or(0, |t| t.saturating_sub(input));
+        let cached = self.prompt_tokens_details.and_then(|d| d.cached_tokens);
         Some(Usage {
             input_tokens: input,
             output_tokens: completion.max(from_total),
+            cached_input_tokens: cached.unwrap_or(0).min(input),
+            cache_write_tokens: self.cache_creation_input_tokens.unwrap_or(0).min(input),
         })
     }
 }
@@ -178,13 +194,7 @@ impl SseMeter {
     pub fn usage_or_count(&self, input_estimate: u64) -> (Usage, bool) {
         match self.usage.and_then(StreamUsage::to_usage) {
             Some(u) => (u, true),
-            None => (
-                Usage {
-                    input_tokens: input_estimate,
-                    output_tokens: self.counted_output,
-                },
-                false,
-            ),
+            None => (Usage::new(input_estimate, self.counted_output), false),
         }
     }
 

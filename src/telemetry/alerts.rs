@@ -74,8 +74,8 @@ impl Alerts {
                 window = a.window.unwrap_or("none"),
                 dim = a.dim,
                 threshold = a.threshold,
-                used = a.used,
-                limit = a.limit,
+                used = %text(a.dim, a.used),
+                limit = %text(a.dim, a.limit),
                 policy_version = %rec.policy_version,
                 "alert threshold crossed"
             );
@@ -83,20 +83,7 @@ impl Alerts {
             let Some(tx) = sink.as_ref().and_then(|s| s.tx.as_ref()) else {
                 continue;
             };
-            let body = serde_json::json!({
-                "bound": a.bound,
-                "class": a.class,
-                "scope": a.scope,
-                "id": a.id,
-                "window": a.window,
-                "window_start": a.window_start,
-                "dim": a.dim,
-                "threshold": a.threshold,
-                "used": a.used,
-                "limit": a.limit,
-                "policy_version": rec.policy_version,
-                "ts": ts,
-            });
+            let body = alert_body(a, rec, ts);
             if tx.try_send(Bytes::from(body.to_string())).is_err() {
                 dropped += 1;
                 metrics::counter!(TOLLGATE_ALERTS_TOTAL, "outcome" => "dropped").increment(1);
@@ -179,6 +166,39 @@ async fn post(
     }
 }
 
+/// An amount as people read it: dollars for usd (`$49.45`), counts otherwise.
+fn text(dim: &str, v: u64) -> String {
+    match dim {
+        "usd" => crate::units::fmt_usd(v),
+        _ => crate::units::group_thousands(v),
+    }
+}
+
+/// The webhook's JSON for one crossing. Money is in dollars (never micro-units), with the
+/// amounts also as text (`used_text`, `limit_text`).
+pub fn alert_body(a: &crate::governor::AlertNote, rec: &Record, ts: &str) -> serde_json::Value {
+    let num = |v: u64| match a.dim {
+        "usd" => serde_json::json!(crate::units::micros_to_usd(v)),
+        _ => serde_json::json!(v),
+    };
+    serde_json::json!({
+        "bound": a.bound,
+        "class": a.class,
+        "scope": a.scope,
+        "id": a.id,
+        "window": a.window,
+        "window_start": a.window_start,
+        "dim": a.dim,
+        "threshold": a.threshold,
+        "used": num(a.used),
+        "limit": num(a.limit),
+        "used_text": text(a.dim, a.used),
+        "limit_text": text(a.dim, a.limit),
+        "policy_version": rec.policy_version,
+        "ts": ts,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -223,6 +243,24 @@ mod tests {
         tokio::task::yield_now().await;
         let dropped = a.emit(&record(5), "2026-01-01T00:00:00Z");
         assert!(dropped >= 3, "dropped {dropped}");
+    }
+
+    #[test]
+    fn money_alerts_read_in_dollars() {
+        let mut r = record(1);
+        r.alerts[0].dim = "usd";
+        r.alerts[0].used = 40_000_000;
+        r.alerts[0].limit = 50_000_000;
+        let b = alert_body(&r.alerts[0], &r, "t");
+        assert_eq!(b["used"], 40.0);
+        assert_eq!(b["limit"], 50.0);
+        assert_eq!(b["used_text"], "$40.00");
+        assert_eq!(b["limit_text"], "$50.00");
+        let t = alert_body(&record(1).alerts[0], &r, "t");
+        assert_eq!(
+            (t["used"].as_u64(), t["limit_text"].as_str()),
+            (Some(5), Some("10"))
+        );
     }
 
     #[tokio::test]
