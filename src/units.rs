@@ -29,6 +29,8 @@ pub fn valid_id(s: &str) -> bool {
         && s.bytes().all(|b| {
             b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':' | b'@' | b'/')
         })
+}
+
 /// Groups the digits of `n` by thousands: `1234567` → `"1,234,567"`.
 pub fn group_thousands(n: u64) -> String {
     let digits = n.to_string();
