@@ -93,10 +93,7 @@ fn bench(c: &mut Criterion) {
                         &policy,
                         &mut rec,
                         pending,
-                        Usage {
-                            input_tokens: 480,
-                            output_tokens: 200,
-                        },
+                        Usage::new(480, 200),
                         UsageEvidence::Actual,
                     );
                 }

@@ -463,9 +463,10 @@ async fn scenario_01_baseline_allowed() {
         window: Some(window_at(&tz, tollgate::units::Window::Day, now_ms())),
     };
     assert_eq!(r.sidecar.committed(&day).tokens, 800);
-    // A token limit applies: the tightest room left when the call was admitted (job: 30000
-    // hard minus this request's worst case of 500 + 500).
-    assert_eq!(hdr(&r.headers, "x-ratelimit-remaining-tokens"), "29000");
+    // A token limit applies (no rate limit here: the tightest token bound, the job's 30000
+    // hard), counted after this buffered answer's actual usage of 480 + 320, not its worst case.
+    assert_eq!(hdr(&r.headers, "x-ratelimit-remaining-tokens"), "29200");
+    assert_eq!(hdr(&r.headers, "x-ratelimit-limit-tokens"), "30000");
     assert_eq!(r.audit["actual_input_tokens"], 480);
     assert_eq!(r.audit["actual_output_tokens"], 320);
     assert_eq!(r.input_tokens, 500);

@@ -208,3 +208,48 @@ pub fn tightest(limits: &[TokenLimit]) -> Option<&TokenLimit> {
     let rate = limits.iter().filter(|l| l.rate).min_by_key(|l| l.remaining);
     rate.or_else(|| limits.iter().min_by_key(|l| l.remaining))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::Billed;
+
+    fn price() -> Price {
+        // Per 1k: $0.003 in, $0.0003 cached, $0.00375 written, $0.015 out (in micro-dollars).
+        Price {
+            input_per_1k: 3000,
+            output_per_1k: 15000,
+            cached_input_per_1k: 300,
+            cache_write_per_1k: 3750,
+        }
+    }
+
+    #[test]
+    fn cached_and_written_input_cost_their_own_rates() {
+        let p = price();
+        let b = Billed {
+            input: 1000,
+            cached: 600,
+            cache_write: 300,
+            output: 50,
+        };
+        // 100 × 3000 + 600 × 300 + 300 × 3750 + 50 × 15000, per 1000.
+        assert_eq!(p.cost_billed(b), 2355);
+        // No split: what the plain two-rate price charged.
+        let plain = Billed {
+            cached: 0,
+            cache_write: 0,
+            ..b
+        };
+        assert_eq!(p.cost_billed(plain), (1000 * 3000 + 50 * 15000) / 1000);
+        // A split larger than the input is bounded by it.
+        let silly = Billed {
+            cached: u64::MAX,
+            cache_write: u64::MAX,
+            ..b
+        };
+        assert_eq!(p.cost_billed(silly), (1000 * 300 + 50 * 15000) / 1000);
+        // The worst case prices all input at the dearest input rate.
+        assert_eq!(p.cost(1000, 50), (1000 * 3750 + 50 * 15000) / 1000);
+    }
+}
