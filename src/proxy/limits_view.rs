@@ -57,8 +57,10 @@ pub fn answer(app: &App, snap: &Snapshot, headers: &HeaderMap) -> Response<Body>
         http::header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    r.headers_mut()
-        .insert(http::header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    r.headers_mut().insert(
+        http::header::CACHE_CONTROL,
+        HeaderValue::from_static("no-store"),
+    );
     r
 }
 
@@ -197,7 +199,10 @@ fn refused(snap: &Snapshot, e: IdentityError) -> Response<Body> {
                 code: "invalid_header",
             },
         ),
-        _ => (ReasonClass::Unauthenticated, Refusal::Unauthenticated(e.message())),
+        _ => (
+            ReasonClass::Unauthenticated,
+            Refusal::Unauthenticated(e.message()),
+        ),
     };
     let rec = Record::new(
         snap.policy.version.clone(),
