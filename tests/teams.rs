@@ -142,30 +142,56 @@ async fn keys_decide_who_pays_and_keyless_requests_are_refused() {
         .chat(&[("authorization", &alice), ("x-tollgate-consumer", "bob")])
         .await;
     assert_eq!(s, 200, "{v}");
-    assert_eq!(t.committed(Scope::Consumer, "alice", Window::Minute).requests, 1);
-    assert_eq!(t.committed(Scope::Consumer, "bob", Window::Minute).requests, 0);
-    assert_eq!(t.committed(Scope::Team, "team-a", Window::Month).requests, 1);
+    assert_eq!(
+        t.committed(Scope::Consumer, "alice", Window::Minute)
+            .requests,
+        1
+    );
+    assert_eq!(
+        t.committed(Scope::Consumer, "bob", Window::Minute).requests,
+        0
+    );
+    assert_eq!(
+        t.committed(Scope::Team, "team-a", Window::Month).requests,
+        1
+    );
     assert!(t.committed(Scope::Team, "team-a", Window::Month).usd > 0);
 
     // The scheme word is case-insensitive.
     let lower = format!("bearer {CAROL}");
     let (s, v) = t.chat(&[("authorization", &lower)]).await;
     assert_eq!(s, 200, "{v}");
-    assert_eq!(t.committed(Scope::Team, "team-b", Window::Month).requests, 1);
+    assert_eq!(
+        t.committed(Scope::Team, "team-b", Window::Month).requests,
+        1
+    );
 
     // A key known only by its SHA-256 digest works (here sent as x-api-key).
     let (s, v) = t.chat(&[("x-api-key", ERIN)]).await;
     assert_eq!(s, 200, "{v}");
-    assert_eq!(t.committed(Scope::Consumer, "erin", Window::Minute).requests, 1);
-    assert_eq!(t.committed(Scope::Team, "team-b", Window::Month).requests, 2);
+    assert_eq!(
+        t.committed(Scope::Consumer, "erin", Window::Minute)
+            .requests,
+        1
+    );
+    assert_eq!(
+        t.committed(Scope::Team, "team-b", Window::Month).requests,
+        2
+    );
     // A wrong key is 401, whatever it is close to.
-    let (s, _) = t.chat(&[("authorization", &bearer(&ERIN[..ERIN.len() - 1]))]).await;
+    let (s, _) = t
+        .chat(&[("authorization", &bearer(&ERIN[..ERIN.len() - 1]))])
+        .await;
     assert_eq!(s, 401);
 
     // The glob `team-*` gives team-a and team-b a counter each; team `ops` has none.
     let (s, v) = t.chat(&[("authorization", &bearer(OLGA))]).await;
     assert_eq!(s, 200, "{v}");
-    assert_eq!(t.committed(Scope::Consumer, "olga", Window::Minute).requests, 1);
+    assert_eq!(
+        t.committed(Scope::Consumer, "olga", Window::Minute)
+            .requests,
+        1
+    );
     let (ops, _) = t.key(Scope::Team, "ops", Window::Month);
     assert!(t.running.app.governor.ledger.get(&ops).is_none());
     t.running.shutdown().await;
@@ -222,7 +248,10 @@ async fn team_budgets_are_separate_and_developer_tpm_is_per_developer() {
     let a_before = t.committed(Scope::Team, "team-a", Window::Month);
     let (s, v) = t.chat(&[("authorization", &carol)]).await;
     assert_eq!(s, 200, "{v}");
-    assert_eq!(t.committed(Scope::Team, "team-b", Window::Month).requests, 1);
+    assert_eq!(
+        t.committed(Scope::Team, "team-b", Window::Month).requests,
+        1
+    );
     assert_eq!(t.committed(Scope::Team, "team-a", Window::Month), a_before);
     t.running.shutdown().await;
 }
@@ -288,7 +317,10 @@ async fn the_limits_view_shows_the_caller_its_own_limits_only() {
     assert!(used > 0);
     // The minute may have turned since the call; then the view shows a fresh window.
     assert!(tpm["used"] == used || tpm["used"] == 0, "{tpm}");
-    assert!(tpm["resets_at"].as_str().unwrap().ends_with("+00:00"), "{tpm}");
+    assert!(
+        tpm["resets_at"].as_str().unwrap().ends_with("+00:00"),
+        "{tpm}"
+    );
 
     let team = find("team-monthly");
     assert_eq!(team["kind"], "budget");
@@ -304,6 +336,9 @@ async fn the_limits_view_shows_the_caller_its_own_limits_only() {
         "{team}"
     );
     assert_eq!(team["state"], "soft_exceeded");
-    assert!(team["text"].as_str().unwrap().contains("of $50.00"), "{team}");
+    assert!(
+        team["text"].as_str().unwrap().contains("of $50.00"),
+        "{team}"
+    );
     t.running.shutdown().await;
 }

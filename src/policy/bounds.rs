@@ -9,7 +9,9 @@ use crate::units::{Scope, Window};
 use std::collections::{HashMap, HashSet};
 
 /// Pattern syntax other than `*` that `match` refuses rather than read as a literal.
-const GLOB_RESERVED: &[char] = &['?', '[', ']', '{', '}', '(', ')', '+', '^', '$', '|', '\\', '!'];
+const GLOB_RESERVED: &[char] = &[
+    '?', '[', ']', '{', '}', '(', ')', '+', '^', '$', '|', '\\', '!',
+];
 
 /// What bound `match`es may refer to.
 pub(super) struct Known<'a> {
@@ -76,7 +78,11 @@ impl V<'_> {
         let pattern = h.matcher.as_ref().map_or(MATCH_ANY, |t| t.0.trim());
         let matcher = match pattern {
             "" => {
-                self.err::<()>(f, p("match"), "must be an id, \"*\" or a glob like \"team-*\"");
+                self.err::<()>(
+                    f,
+                    p("match"),
+                    "must be an id, \"*\" or a glob like \"team-*\"",
+                );
                 Match::Any
             }
             MATCH_ANY => Match::Any,

@@ -44,11 +44,8 @@ impl V<'_> {
             Some(at) => self.required(at.file, "identity.default_consumer".into(), Some(&at.v.0)),
             None => DEFAULT_CONSUMER.to_owned(),
         };
-        let virtual_keys: Vec<VirtualKey> = m
-            .virtual_keys
-            .iter()
-            .map(|k| self.virtual_key(k))
-            .collect();
+        let virtual_keys: Vec<VirtualKey> =
+            m.virtual_keys.iter().map(|k| self.virtual_key(k)).collect();
         self.unique(
             &m.virtual_keys,
             "identity.virtual_keys",
@@ -91,7 +88,9 @@ impl V<'_> {
             Arc::<str>::from(team)
         });
         let secret = match (&k.v.key_env, &k.v.key_sha256) {
-            (Some(env), None) => KeySource::Env(self.required(k.file, p("key_env"), Some(env.as_str()))),
+            (Some(env), None) => {
+                KeySource::Env(self.required(k.file, p("key_env"), Some(env.as_str())))
+            }
             (None, Some(hex)) => match parse_sha256(hex.trim()) {
                 Some(d) => KeySource::Sha256(d),
                 None => self.err(
@@ -121,10 +120,13 @@ impl V<'_> {
     /// Consumer and team ids of a key: the same alphabet as ids from headers.
     fn key_id(&mut self, file: usize, path: String, id: &str) {
         if !id.is_empty() && !crate::units::valid_id(id) {
-            self.err::<()>(file, path, format!("`{id}` is not a valid id (1-128 of A-Z a-z 0-9 - _ . : @ /)"));
+            self.err::<()>(
+                file,
+                path,
+                format!("`{id}` is not a valid id (1-128 of A-Z a-z 0-9 - _ . : @ /)"),
+            );
         }
     }
-
 }
 
 /// 64 hex digits (either case) to 32 bytes.

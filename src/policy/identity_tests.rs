@@ -65,27 +65,45 @@ fn exactly_one_of_key_env_and_key_sha256() {
     let both = errors(&format!(
         "identity:\n  virtual_keys: [{{consumer: w, key_env: K, key_sha256: '{DIGEST}'}}]\n"
     ));
-    assert!(has(&both, "identity.virtual_keys[0].key_sha256", "not both"), "{both:?}");
+    assert!(
+        has(&both, "identity.virtual_keys[0].key_sha256", "not both"),
+        "{both:?}"
+    );
     let none = errors("identity:\n  virtual_keys: [{consumer: w}]\n");
-    assert!(has(&none, "identity.virtual_keys[0].key_env", "key_sha256"), "{none:?}");
+    assert!(
+        has(&none, "identity.virtual_keys[0].key_env", "key_sha256"),
+        "{none:?}"
+    );
     for bad in ["abc", &DIGEST[..63], &format!("{}g", &DIGEST[..63])] {
         let e = errors(&format!(
             "identity:\n  virtual_keys: [{{consumer: w, key_sha256: '{bad}'}}]\n"
         ));
-        assert!(has(&e, "identity.virtual_keys[0].key_sha256", "64 hex"), "{e:?}");
+        assert!(
+            has(&e, "identity.virtual_keys[0].key_sha256", "64 hex"),
+            "{e:?}"
+        );
     }
     let dup = errors(&format!(
         "identity:\n  virtual_keys:\n    - {{consumer: a, key_sha256: '{DIGEST}'}}\n    - {{consumer: b, key_sha256: '{}'}}\n",
         DIGEST.to_ascii_lowercase()
     ));
-    assert!(has(&dup, "identity.virtual_keys[1].key_sha256", ""), "{dup:?}");
+    assert!(
+        has(&dup, "identity.virtual_keys[1].key_sha256", ""),
+        "{dup:?}"
+    );
 }
 
 #[test]
 fn key_consumer_and_team_must_be_ids() {
     let e = errors("identity:\n  virtual_keys: [{consumer: 'a b', team: 't#1', key_env: K}]\n");
-    assert!(has(&e, "identity.virtual_keys[0].consumer", "not a valid id"), "{e:?}");
-    assert!(has(&e, "identity.virtual_keys[0].team", "not a valid id"), "{e:?}");
+    assert!(
+        has(&e, "identity.virtual_keys[0].consumer", "not a valid id"),
+        "{e:?}"
+    );
+    assert!(
+        has(&e, "identity.virtual_keys[0].team", "not a valid id"),
+        "{e:?}"
+    );
 }
 
 #[test]
@@ -109,10 +127,21 @@ fn team_scope_and_glob_matches() {
 
 #[test]
 fn other_pattern_syntax_is_an_error_not_a_literal() {
-    for pat in ["team-?", "team-[ab]", "team-{a,b}", "team-.+", "^team$", "a|b", "(x)"] {
+    for pat in [
+        "team-?",
+        "team-[ab]",
+        "team-{a,b}",
+        "team-.+",
+        "^team$",
+        "a|b",
+        "(x)",
+    ] {
         let e = errors(&format!(
             "quotas:\n  - {{name: q, scope: consumer, match: '{pat}', window: day, limit_tokens: 5}}\n"
         ));
-        assert!(has(&e, "quotas[0].match", "only `*` is a wildcard"), "{pat}: {e:?}");
+        assert!(
+            has(&e, "quotas[0].match", "only `*` is a wildcard"),
+            "{pat}: {e:?}"
+        );
     }
 }

@@ -233,7 +233,11 @@ impl Merged {
                 id.default_consumer,
                 "identity.default_consumer",
             );
-            m.one(&mut self.require_key, id.require_key, "identity.require_key");
+            m.one(
+                &mut self.require_key,
+                id.require_key,
+                "identity.require_key",
+            );
             m.many(&mut self.virtual_keys, id.virtual_keys);
         }
         m.one(&mut self.estimate, raw.estimate, "estimate");

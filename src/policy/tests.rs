@@ -41,7 +41,10 @@ fn spec_example_parses() {
     assert_eq!(&*p.version, "2026-11-29.1");
     assert_eq!(p.server.listen, "127.0.0.1:8787");
     assert_eq!(p.identity.virtual_keys.len(), 1);
-    assert_eq!(p.identity.virtual_keys[0].key_env, "TOLLGATE_KEY_WEB");
+    assert_eq!(
+        p.identity.virtual_keys[0].secret,
+        KeySource::Env("TOLLGATE_KEY_WEB".into())
+    );
     assert_eq!(p.estimate.tokenizer, Tokenizer::O200k);
     assert_eq!(p.backends.len(), 3);
     let gemini = p.backend("gemini").expect("gemini");

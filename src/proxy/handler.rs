@@ -69,7 +69,11 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Bo
         (&Method::GET, super::limits_view::PATH) => {
             return Ok(super::limits_view::answer(&app, &snap, req.headers()));
         }
-        (_, p @ ("/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" | "/v1/models" | super::limits_view::PATH)) => {
+        (_, p @ super::limits_view::PATH) => {
+            let rec = bare_record(&snap, p);
+            return Ok(respond::refusal(&Refusal::MethodNotAllowed, &rec, &snap));
+        }
+        (_, p @ ("/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" | "/v1/models")) => {
             let rec = bare_record(&snap, p);
             return Ok(respond::refusal(&Refusal::MethodNotAllowed, &rec, &snap));
         }

@@ -172,7 +172,13 @@ mod tests {
 
     #[test]
     fn other_schemes_and_empty_bearers_are_malformed() {
-        for v in ["Basic dXNlcjpwYXNz", "Bearer", "Bearer   ", "k1", "Token k1"] {
+        for v in [
+            "Basic dXNlcjpwYXNz",
+            "Bearer",
+            "Bearer   ",
+            "k1",
+            "Token k1",
+        ] {
             assert_eq!(presented(&auth(v)), Presented::Malformed, "{v}");
         }
         assert_eq!(presented(&HeaderMap::new()), Presented::Nothing);

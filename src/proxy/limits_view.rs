@@ -57,8 +57,10 @@ pub fn answer(app: &App, snap: &Snapshot, headers: &HeaderMap) -> Response<Body>
         http::header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    r.headers_mut()
-        .insert(http::header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    r.headers_mut().insert(
+        http::header::CACHE_CONTROL,
+        HeaderValue::from_static("no-store"),
+    );
     r
 }
 
@@ -167,7 +169,7 @@ pub fn dollars(micros: u64) -> String {
     let whole = (cents / 100).to_string();
     let mut grouped = String::with_capacity(whole.len() + whole.len() / 3);
     for (i, c) in whole.chars().enumerate() {
-        if i > 0 && (whole.len() - i) % 3 == 0 {
+        if i > 0 && (whole.len() - i).is_multiple_of(3) {
             grouped.push(',');
         }
         grouped.push(c);
@@ -197,7 +199,10 @@ fn refused(snap: &Snapshot, e: IdentityError) -> Response<Body> {
                 code: "invalid_header",
             },
         ),
-        _ => (ReasonClass::Unauthenticated, Refusal::Unauthenticated(e.message())),
+        _ => (
+            ReasonClass::Unauthenticated,
+            Refusal::Unauthenticated(e.message()),
+        ),
     };
     let rec = Record::new(
         snap.policy.version.clone(),

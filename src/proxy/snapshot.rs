@@ -3,13 +3,13 @@
 //! wasteful to compute per request. Swapped whole, atomically, on reload.
 
 use crate::policy::{self, KeySource, Policy};
-use sha2::{Digest, Sha256};
-use subtle::ConstantTimeEq;
 use crate::providers;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
+use sha2::{Digest, Sha256};
 use std::fmt;
 use std::sync::Arc;
+use subtle::ConstantTimeEq;
 
 /// A secret read from the environment. Its `Debug` never shows it.
 #[derive(Clone)]
