@@ -35,10 +35,14 @@ impl Governor {
             .map(|b| b.price)
             .unwrap_or_default();
         let actual = Amount {
-            tokens: usage.input_tokens + usage.output_tokens,
+            tokens: usage.input_tokens.saturating_add(usage.output_tokens),
             requests: 1,
             usd: price.cost(usage.input_tokens, usage.output_tokens),
         };
+        // A provider that bills past the cap it was sent (or reports nonsense): booked as
+        // reported, saturating, and flagged for the audit and the metric.
+        let reserved = reservation.amount();
+        rec.usage_over_reservation = actual.tokens > reserved.tokens || actual.usd > reserved.usd;
         let before = reservation.commit(actual);
         rec.usage_evidence_state = evidence;
         rec.actual_input_tokens = usage.input_tokens;
@@ -48,7 +52,7 @@ impl Governor {
         let mut soft = false;
         for (part, prev) in parts.iter().zip(before) {
             let now = Amount::from_array(std::array::from_fn(|i| {
-                prev.as_array()[i] + actual.as_array()[i]
+                prev.as_array()[i].saturating_add(actual.as_array()[i])
             }));
             for &bi in &part.bounds {
                 let b = &policy.bounds[bi];

@@ -4,6 +4,8 @@
 pub mod handler;
 pub mod identity;
 pub mod persist;
+mod pump;
+pub mod redact;
 pub mod respond;
 pub mod server;
 pub mod snapshot;

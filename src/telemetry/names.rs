@@ -32,6 +32,9 @@ pub const TOLLGATE_POLICY_RELOADS_TOTAL: &str = "tollgate_policy_reloads_total";
 pub const TOLLGATE_POLICY_INFO: &str = "tollgate_policy_info";
 /// counter {outcome}: alert crossings and their webhook deliveries (an extension).
 pub const TOLLGATE_ALERTS_TOTAL: &str = "tollgate_alerts_total";
+/// counter {backend}: calls whose committed usage was above their reserved worst case (a
+/// provider billing past the cap it was sent, or an absurd usage report).
+pub const TOLLGATE_USAGE_OVER_RESERVATION_TOTAL: &str = "tollgate_usage_over_reservation_total";
 
 /// Upstream latency buckets, seconds: local models answer in ms, big ones in a minute.
 pub const DURATION_BUCKETS: &[f64] = &[
@@ -106,5 +109,10 @@ pub fn describe() {
         TOLLGATE_ALERTS_TOTAL,
         Unit::Count,
         "Alert threshold crossings (logged) and webhook deliveries (delivered/failed/dropped)"
+    );
+    describe_counter!(
+        TOLLGATE_USAGE_OVER_RESERVATION_TOTAL,
+        Unit::Count,
+        "Calls whose committed usage was above their reserved worst case, by backend"
     );
 }
