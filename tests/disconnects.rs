@@ -21,7 +21,7 @@ backends:
 routes:
   - {{model: chat, chain: [{{backend: a, model: m-a}}]}}
 budgets:
-  - {{name: all, scope: global, hard_tokens: 2000}}
+  - {{name: all, scope: global, window: month, hard_tokens: 2000}}
 "#
     )
 }
@@ -64,7 +64,9 @@ async fn hang_up_early(sc: &Sidecar, mock: &MockUpstream, stream: bool) {
     let mut socks = Vec::new();
     for _ in 0..CLIENTS {
         let mut s = TcpStream::connect(sc.running.addr).await.expect("connect");
-        s.write_all(&raw_request(&chat(stream))).await.expect("write");
+        s.write_all(&raw_request(&chat(stream)))
+            .await
+            .expect("write");
         socks.push(s);
     }
     assert_eq!(
@@ -90,7 +92,11 @@ async fn assert_reconciled(sc: &Sidecar, mock: &MockUpstream, evidence: &str) {
     let text = String::from_utf8_lossy(&b);
     assert_ne!(st, 200, "{text}");
     assert!(text.contains("budget"), "{text}");
-    assert_eq!(mock.hits(), CLIENTS, "the refused call never reached the upstream");
+    assert_eq!(
+        mock.hits(),
+        CLIENTS,
+        "the refused call never reached the upstream"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -110,8 +116,12 @@ async fn buffered_calls_of_clients_that_hung_up_are_committed_and_audited() {
 async fn streams_whose_clients_hung_up_before_the_first_byte_are_read_for_their_usage() {
     let mock = MockUpstream::start_with_default(
         vec![],
-        Answer::sse_chat(&["late", " answer"], Some((50, 51)), Duration::from_millis(5))
-            .delay(Duration::from_secs(2)),
+        Answer::sse_chat(
+            &["late", " answer"],
+            Some((50, 51)),
+            Duration::from_millis(5),
+        )
+        .delay(Duration::from_secs(2)),
     )
     .await;
     let sc = Sidecar::start(&policy(&mock.base_url(), "20s")).await;
@@ -125,9 +135,11 @@ async fn a_client_that_stops_reading_is_ended_at_the_total_timeout() {
     // An endless stream of comment events (no output to count, so the mid-stream guard never
     // trips): only the total timeout can end it once the client stops reading.
     let pad = format!(": {}\n\n", "x".repeat(16 * 1024));
-    let mock =
-        MockUpstream::start_with_default(vec![], Answer::sse_repeat(pad, 1_000_000, Duration::ZERO))
-            .await;
+    let mock = MockUpstream::start_with_default(
+        vec![],
+        Answer::sse_repeat(pad, 1_000_000, Duration::ZERO),
+    )
+    .await;
     let sc = Sidecar::start(&policy(&mock.base_url(), "1500ms")).await;
     let mut s = TcpStream::connect(sc.running.addr).await.expect("connect");
     s.write_all(&raw_request(&chat(true))).await.expect("write");

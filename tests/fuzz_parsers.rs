@@ -101,12 +101,23 @@ fn json_value() -> impl Strategy<Value = Value> {
         any::<bool>().prop_map(Value::from),
         any::<i64>().prop_map(Value::from),
         any::<u64>().prop_map(Value::from),
-        any::<f64>().prop_filter("finite", |f| f.is_finite()).prop_map(Value::from),
+        any::<f64>()
+            .prop_filter("finite", |f| f.is_finite())
+            .prop_map(Value::from),
         "[a-z_ ]{0,12}".prop_map(Value::from),
-        prop::sample::select(&[
-            "user", "assistant", "system", "tool", "text", "image_url",
-            "data:image/png;base64,iVBORw0KGgo=", "auto", "m",
-        ][..])
+        prop::sample::select(
+            &[
+                "user",
+                "assistant",
+                "system",
+                "tool",
+                "text",
+                "image_url",
+                "data:image/png;base64,iVBORw0KGgo=",
+                "auto",
+                "m",
+            ][..]
+        )
         .prop_map(Value::from),
     ];
     leaf.prop_recursive(4, 48, 6, |inner| {
@@ -115,11 +126,28 @@ fn json_value() -> impl Strategy<Value = Value> {
             prop::collection::vec(
                 (
                     prop_oneof![
-                        prop::sample::select(&[
-                            "model", "messages", "role", "content", "type", "text", "image_url",
-                            "url", "detail", "tools", "function", "parameters", "max_tokens", "n",
-                            "input", "prompt", "stream", "name",
-                        ][..])
+                        prop::sample::select(
+                            &[
+                                "model",
+                                "messages",
+                                "role",
+                                "content",
+                                "type",
+                                "text",
+                                "image_url",
+                                "url",
+                                "detail",
+                                "tools",
+                                "function",
+                                "parameters",
+                                "max_tokens",
+                                "n",
+                                "input",
+                                "prompt",
+                                "stream",
+                                "name",
+                            ][..]
+                        )
                         .prop_map(String::from),
                         "[a-z]{1,6}",
                     ],

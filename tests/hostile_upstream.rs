@@ -34,7 +34,7 @@ fn policy(kind: &str, a: &str, b: Option<&str>, hard_tokens: u64) -> String {
         y.push_str("      - {backend: b, model: m-b}\n");
     }
     y.push_str(&format!(
-        "budgets:\n  - {{name: all, scope: global, hard_tokens: {hard_tokens}}}\n"
+        "budgets:\n  - {{name: all, scope: global, window: month, hard_tokens: {hard_tokens}}}\n"
     ));
     y
 }
@@ -58,7 +58,11 @@ async fn an_absurd_usage_report_saturates_the_counters_instead_of_wrapping() {
     let huge = j!({"id": "x", "object": "chat.completion", "created": 1, "model": "m-a",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": u64::MAX - 1, "completion_tokens": 5, "total_tokens": u64::MAX}});
-    let mock = MockUpstream::start_with_default(vec![Answer::json(200, huge)], Answer::ok_chat("fine", 5, 5)).await;
+    let mock = MockUpstream::start_with_default(
+        vec![Answer::json(200, huge)],
+        Answer::ok_chat("fine", 5, 5),
+    )
+    .await;
     let sc = Sidecar::start(&policy("openai", &mock.base_url(), None, 100_000)).await;
     let (st, h, b) = post_json(&sc.chat_url(), &chat(false), &[]).await;
     assert_eq!(st, 200, "{}", String::from_utf8_lossy(&b));
@@ -74,7 +78,8 @@ async fn an_absurd_usage_report_saturates_the_counters_instead_of_wrapping() {
     let (_, _, m) = common::get(&format!("http://{}/metrics", sc.running.admin_addr)).await;
     let m = String::from_utf8_lossy(&m);
     assert!(
-        m.lines().any(|l| l.starts_with("tollgate_usage_over_reservation_total{backend=\"a\"}")),
+        m.lines()
+            .any(|l| l.starts_with("tollgate_usage_over_reservation_total{backend=\"a\"}")),
         "{m}"
     );
     sc.stop().await;
@@ -87,7 +92,8 @@ async fn an_event_that_never_ends_is_cut_at_its_cap_and_counts_as_a_failure() {
     key();
     // 64 KiB frames of one `data:` line that never ends: 16 MiB if it were all read.
     let frame = format!("data: {}", "x".repeat(64 * 1024));
-    let first = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"}}]}\n\n".to_string();
+    let first =
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"}}]}\n\n".to_string();
     let mut events = vec![first];
     events.extend(std::iter::repeat_n(frame, 256));
     let mock = MockUpstream::start(vec![Answer::sse(events, Duration::ZERO)]).await;
@@ -95,9 +101,16 @@ async fn an_event_that_never_ends_is_cut_at_its_cap_and_counts_as_a_failure() {
     let s = post_json_frames(&sc.chat_url(), &chat(true), &[]).await;
     assert_eq!(s.status, 200);
     let body = s.body();
-    assert!(body.len() < 6 * 1024 * 1024, "stopped near the cap: {} bytes", body.len());
+    assert!(
+        body.len() < 6 * 1024 * 1024,
+        "stopped near the cap: {} bytes",
+        body.len()
+    );
     let last = s.sse_data().last().cloned().unwrap_or_default();
-    assert!(last.contains("upstream_event_too_large"), "ends with an error event: {last}");
+    assert!(
+        last.contains("upstream_event_too_large"),
+        "ends with an error event: {last}"
+    );
     let a = sc.audit(&rid(&s.headers)).await;
     assert_eq!(a["usage_evidence_state"], "PARTIAL", "{a}");
     assert_eq!(a["reason_class"], "UPSTREAM_FAILURE", "{a}");
@@ -120,7 +133,13 @@ async fn falls_back_from(bad: Answer, stream: bool) {
         },
     )
     .await;
-    let sc = Sidecar::start(&policy("openai", &a.base_url(), Some(&b.base_url()), 100_000)).await;
+    let sc = Sidecar::start(&policy(
+        "openai",
+        &a.base_url(),
+        Some(&b.base_url()),
+        100_000,
+    ))
+    .await;
     let (st, h, text) = if stream {
         let s = post_json_frames(&sc.chat_url(), &chat(true), &[]).await;
         (s.status, s.headers.clone(), s.text())
@@ -129,7 +148,10 @@ async fn falls_back_from(bad: Answer, stream: bool) {
         (st, h, String::from_utf8_lossy(&b).into_owned())
     };
     assert_eq!(st, 200, "{text}");
-    assert!(text.contains("from") && text.contains("b"), "served by b: {text}");
+    assert!(
+        text.contains("from") && text.contains("b"),
+        "served by b: {text}"
+    );
     assert!(!text.contains("<html"), "{text}");
     let rec = sc.audit(&rid(&h)).await;
     assert_eq!(rec["backend"], "b", "{rec}");
@@ -142,7 +164,11 @@ async fn falls_back_from(bad: Answer, stream: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_200_html_page_is_a_failure_not_an_answer() {
-    falls_back_from(Answer::raw(200, "text/html", "<html>maintenance</html>"), false).await;
+    falls_back_from(
+        Answer::raw(200, "text/html", "<html>maintenance</html>"),
+        false,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

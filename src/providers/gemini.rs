@@ -505,7 +505,11 @@ impl NativeEvents for GenerateStream {
             self.w.end(out, self.usage);
         } else {
             self.failed = true;
-            self.w.error(out, "the upstream stream ended without its final event", "upstream_incomplete");
+            self.w.error(
+                out,
+                "the upstream stream ended without its final event",
+                "upstream_incomplete",
+            );
         }
     }
 

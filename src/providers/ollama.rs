@@ -341,7 +341,11 @@ impl NativeEvents for ChatStream {
     fn on_end(&mut self, out: &mut Vec<u8>) {
         if !self.done && !self.failed {
             self.failed = true;
-            self.w.error(out, "the upstream stream ended without its final event", "upstream_incomplete");
+            self.w.error(
+                out,
+                "the upstream stream ended without its final event",
+                "upstream_incomplete",
+            );
         }
     }
 

@@ -58,7 +58,10 @@ mod tests {
     fn buffered_answers_must_have_their_shape() {
         assert!(openai_answer_ok(Endpoint::Chat, br#"{"choices":[]}"#));
         assert!(openai_answer_ok(Endpoint::Embeddings, br#"{"data":[{}]}"#));
-        assert!(!openai_answer_ok(Endpoint::Embeddings, br#"{"choices":[]}"#));
+        assert!(!openai_answer_ok(
+            Endpoint::Embeddings,
+            br#"{"choices":[]}"#
+        ));
         assert!(!openai_answer_ok(Endpoint::Chat, b""));
         assert!(!openai_answer_ok(Endpoint::Chat, b"<html>oops</html>"));
         assert!(!openai_answer_ok(Endpoint::Chat, b"{}"));

@@ -70,8 +70,6 @@ impl HttpBody for Channel {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        self.0
-            .poll_recv(cx)
-            .map(|o| o.map(|b| Ok(Frame::data(b))))
+        self.0.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b))))
     }
 }

@@ -11,7 +11,6 @@ use crate::providers::StreamTranslator;
 use crate::stream::SseMeter;
 use bytes::Bytes;
 use http_body::{Body as HttpBody, Frame, SizeHint};
-use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use std::future::Future;
 use std::pin::Pin;
@@ -167,8 +166,7 @@ impl Metered {
             }
             End::ClientGone => record.error = Some("client disconnected mid-stream".into()),
             End::ClientStalled => {
-                record.error =
-                    Some("the client stopped reading: ended at the total timeout".into())
+                record.error = Some("the client stopped reading: ended at the total timeout".into())
             }
             End::Complete if self.client_gone => {
                 record.error = Some("client disconnected; the answer was read for its usage".into())
