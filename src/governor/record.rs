@@ -189,6 +189,13 @@ pub struct Record {
     pub alerts: Vec<AlertNote>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The committed usage was above the reserved worst case (a provider billed past the cap
+    /// it was sent, or reported an absurd count).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub usage_over_reservation: bool,
+    /// The client went away before the answer was delivered; the call was still reconciled.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub client_disconnected: bool,
 }
 
 impl Record {
@@ -239,6 +246,8 @@ impl Record {
             token_limits: Vec::new(),
             alerts: Vec::new(),
             error: None,
+            usage_over_reservation: false,
+            client_disconnected: false,
         }
     }
 

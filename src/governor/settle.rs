@@ -57,6 +57,10 @@ impl Governor {
                 output: usage.output_tokens,
             }),
         };
+        // A provider that bills past the cap it was sent (or reports nonsense): booked as
+        // reported, saturating, and flagged for the audit and the metric.
+        let reserved = reservation.amount();
+        rec.usage_over_reservation = actual.tokens > reserved.tokens || actual.usd > reserved.usd;
         let before = reservation.commit(actual);
         // The headers of a buffered answer count what this call really used.
         super::limits::recount(&mut rec.token_limits, &parts);
@@ -71,7 +75,7 @@ impl Governor {
         let mut soft = false;
         for (part, prev) in parts.iter().zip(before) {
             let now = Amount::from_array(std::array::from_fn(|i| {
-                prev.as_array()[i] + actual.as_array()[i]
+                prev.as_array()[i].saturating_add(actual.as_array()[i])
             }));
             for &bi in &part.bounds {
                 let b = &policy.bounds[bi];

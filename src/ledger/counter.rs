@@ -25,6 +25,19 @@ pub struct DimRefusal {
     pub hard: u64,
 }
 
+/// Adds without wrapping: a provider may report any number, and a counter that wrapped to
+/// zero would let a spent consumer through again. Returns the value before.
+fn add_saturating(cell: &AtomicU64, delta: u64) -> u64 {
+    if delta == 0 {
+        return cell.load(Ordering::Acquire);
+    }
+    match cell.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+        Some(v.saturating_add(delta))
+    }) {
+        Ok(v) | Err(v) => v,
+    }
+}
+
 impl Counter {
     pub fn new(expires_at: i64) -> Self {
         let c = Counter::default();
@@ -68,7 +81,7 @@ impl Counter {
             return Ok(());
         }
         let Some(hard) = hard else {
-            cell.fetch_add(delta, Ordering::AcqRel);
+            add_saturating(cell, delta);
             return Ok(());
         };
         let mut cur = cell.load(Ordering::Acquire);
@@ -133,9 +146,9 @@ impl Counter {
         let mut before = [0u64; 3];
         for d in Dim::ALL {
             let (r, a) = (reserved.get(d), actual.get(d));
-            before[d as usize] = self.committed[d as usize].fetch_add(a, Ordering::AcqRel);
+            before[d as usize] = add_saturating(&self.committed[d as usize], a);
             if a >= r {
-                self.used[d as usize].fetch_add(a - r, Ordering::AcqRel);
+                add_saturating(&self.used[d as usize], a - r);
             } else {
                 self.sub_used(d, r - a);
             }
@@ -152,7 +165,7 @@ impl Counter {
             let target = shared.get(d);
             let old = self.committed[i].swap(target, Ordering::AcqRel);
             if target >= old {
-                self.used[i].fetch_add(target - old, Ordering::AcqRel);
+                add_saturating(&self.used[i], target - old);
             } else {
                 self.sub_used(d, old - target);
             }

@@ -184,9 +184,12 @@ impl Ledger {
                 return Err(Refusal { part: i, refusal });
             }
         }
-        self.totals
-            .reserved_tokens
-            .fetch_add(amount.tokens, Ordering::AcqRel);
+        let _ =
+            self.totals
+                .reserved_tokens
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+                    Some(v.saturating_add(amount.tokens))
+                });
         Ok(Reservation {
             counters: parts.iter().map(|p| p.counter.clone()).collect(),
             amount,

@@ -418,6 +418,18 @@ impl NativeEvents for MessagesStream {
         self.event(data, out);
     }
 
+    /// A stream that ends before `message_stop` is cut short: an upstream failure.
+    fn on_end(&mut self, out: &mut Vec<u8>) {
+        if !self.completed && !self.failed {
+            self.failed = true;
+            self.w.error(
+                out,
+                "the upstream stream ended without its final event",
+                "upstream_incomplete",
+            );
+        }
+    }
+
     fn failed(&self) -> bool {
         self.failed
     }

@@ -500,10 +500,21 @@ impl NativeEvents for GenerateStream {
         self.event(data, out);
     }
 
-    /// Gemini sends no end marker: the stream is complete when a finish reason came.
+    /// Gemini sends no end marker: the stream is complete when a finish reason came; one
+    /// that ends without it is cut short, an upstream failure.
     fn on_end(&mut self, out: &mut Vec<u8>) {
-        if self.finished && !self.failed {
+        if self.failed {
+            return;
+        }
+        if self.finished {
             self.w.end(out, self.usage);
+        } else {
+            self.failed = true;
+            self.w.error(
+                out,
+                "the upstream stream ended without its final event",
+                "upstream_incomplete",
+            );
         }
     }
 

@@ -11,7 +11,8 @@ pub mod gemini;
 pub mod ollama;
 pub mod openai;
 pub mod retry_after;
-mod sse;
+pub mod sse;
+pub mod validate;
 
 #[cfg(test)]
 mod tests;

@@ -338,6 +338,18 @@ impl NativeEvents for ChatStream {
         self.on_line(line, out);
     }
 
+    /// A stream that ends before its `"done": true` line is cut short: an upstream failure.
+    fn on_end(&mut self, out: &mut Vec<u8>) {
+        if !self.done && !self.failed {
+            self.failed = true;
+            self.w.error(
+                out,
+                "the upstream stream ended without its final event",
+                "upstream_incomplete",
+            );
+        }
+    }
+
     fn failed(&self) -> bool {
         self.failed
     }

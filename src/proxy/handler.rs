@@ -3,6 +3,7 @@
 
 use super::encoding::{self, DecodeError};
 use super::identity::{identify, IdentityError};
+use super::redact;
 use super::respond::{self, full, is_hop_by_hop, Body, Refusal};
 use super::snapshot::Snapshot;
 use super::stream;
@@ -20,6 +21,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use serde::Deserialize;
 use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -101,7 +103,62 @@ fn bare_record(snap: &Snapshot, route: &str) -> Record {
     .refused_early(ReasonClass::BadRequest, 404, "not governed".into())
 }
 
+tokio::task_local! {
+    /// Set when the client of the request this task serves has gone away.
+    static CLIENT_GONE: Arc<AtomicBool>;
+}
+
+/// Sets the flag when dropped armed: hyper dropped the service future (the client hung up).
+struct Watch(Option<Arc<AtomicBool>>);
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f.store(true, Ordering::Release);
+        }
+    }
+}
+
+/// Runs one governed request in a task of its own. hyper drops the service future when the
+/// client hangs up; a call that reached the upstream must still be reconciled (its usage
+/// committed, its hold released then, its audit record written), so the work is not tied to
+/// that future: it always runs to its end, bounded by the body read and upstream timeouts.
 async fn governed(
+    app: &Arc<App>,
+    snap: Arc<Snapshot>,
+    endpoint: Endpoint,
+    req: Request<Incoming>,
+    t0: Instant,
+) -> Response<Body> {
+    let gone = Arc::new(AtomicBool::new(false));
+    let mut watch = Watch(Some(gone.clone()));
+    let app = app.clone();
+    let work = CLIENT_GONE.scope(gone, async move {
+        governed_here(&app, snap, endpoint, req, t0).await
+    });
+    let resp = match tokio::spawn(work).await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(error = %e, "the governed request task failed");
+            let mut r = Response::new(full(Bytes::from_static(
+                b"{\"error\":{\"message\":\"internal error\",\"type\":\"tollgate_error\",\"param\":null,\"code\":\"internal_error\"}}",
+            )));
+            *r.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+            r
+        }
+    };
+    watch.0 = None;
+    resp
+}
+
+/// Whether the client of the request this task serves has gone away.
+fn client_gone() -> bool {
+    CLIENT_GONE
+        .try_with(|g| g.load(Ordering::Acquire))
+        .unwrap_or(false)
+}
+
+async fn governed_here(
     app: &App,
     snap: Arc<Snapshot>,
     endpoint: Endpoint,
@@ -294,6 +351,7 @@ async fn governed(
                     let (usage, evidence) = buffered_usage(&b, &est, policy.estimate.tokenizer);
                     app.governor
                         .settle(policy, &mut rec, pending, usage, evidence);
+                    let b = redact::bytes(&snap, b);
                     let resp = upstream_response(status, &headers, full(b), &rec, &snap);
                     finish(app, endpoint, rec, t0).await;
                     resp
@@ -326,6 +384,7 @@ async fn governed(
                 UpBody::Buffered(b) => b,
                 UpBody::Stream(_) => Bytes::new(),
             };
+            let b = redact::bytes(&snap, b);
             let resp = upstream_response(payload.status, &payload.headers, full(b), &rec, &snap);
             finish(app, endpoint, rec, t0).await;
             resp
@@ -425,11 +484,17 @@ fn upstream_response(
             h.append(k.clone(), v.clone());
         }
     }
+    // The body may have been rewritten (redacted); hyper sets the length of a full body.
+    h.remove(http::header::CONTENT_LENGTH);
+    redact::headers(snap, h);
     respond::stamp(h, rec, snap);
     resp
 }
 
-async fn finish(app: &App, endpoint: Endpoint, record: Record, t0: Instant) {
+async fn finish(app: &App, endpoint: Endpoint, mut record: Record, t0: Instant) {
+    if client_gone() {
+        record.client_disconnected = true;
+    }
     let now = jiff::Timestamp::now();
     let entry = Entry {
         ts: now.to_string(),

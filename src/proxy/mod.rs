@@ -8,6 +8,8 @@ pub mod identity;
 pub mod limits_view;
 mod limit_headers;
 pub mod persist;
+mod pump;
+pub mod redact;
 pub mod respond;
 pub mod server;
 pub mod snapshot;

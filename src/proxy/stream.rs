@@ -11,7 +11,6 @@ use crate::providers::StreamTranslator;
 use crate::stream::SseMeter;
 use bytes::Bytes;
 use http_body::{Body as HttpBody, Frame, SizeHint};
-use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use std::future::Future;
 use std::pin::Pin;
@@ -37,15 +36,20 @@ pub struct Tail {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum End {
+pub(super) enum End {
     Complete,
     UpstreamError,
     Timeout,
     OverReservation,
+    /// Dropped unsettled (the pump task was cancelled): nothing more can be read.
     ClientGone,
+    /// The client stopped reading and the total timeout ran out.
+    ClientStalled,
+    /// An SSE event or NDJSON line passed its size cap.
+    Oversized,
 }
 
-struct Metered {
+pub(super) struct Metered {
     inner: Incoming,
     /// Reshapes a native stream into OpenAI chunks before the meter reads them.
     translate: Option<Box<dyn StreamTranslator>>,
@@ -55,9 +59,11 @@ struct Metered {
     /// Bytes to send before ending (the rest of the stream, an error event).
     last: Option<Bytes>,
     ended: bool,
+    /// The client went away; the stream is being read to its end for its usage.
+    client_gone: bool,
 }
 
-/// Wraps an upstream stream body.
+/// Wraps an upstream stream body; a task of its own reads it (see [`super::pump`]).
 pub fn metered(
     inner: Incoming,
     translate: Option<Box<dyn StreamTranslator>>,
@@ -65,7 +71,7 @@ pub fn metered(
     deadline: Instant,
 ) -> Body {
     let meter = SseMeter::new(tail.snap.policy.estimate.tokenizer, tail.hide_usage);
-    Metered {
+    let m = Metered {
         inner,
         translate,
         meter,
@@ -73,8 +79,10 @@ pub fn metered(
         deadline: Box::pin(tokio::time::sleep_until(deadline.into())),
         last: None,
         ended: false,
-    }
-    .boxed()
+        client_gone: false,
+    };
+    let snap = m.tail.as_ref().map(|t| t.snap.clone());
+    super::pump::spawn(m, deadline, snap)
 }
 
 /// Slack over the reserved output before the guard stops a stream: per-chunk counting
@@ -89,6 +97,18 @@ fn error_event(message: &str, code: &str) -> Bytes {
 }
 
 impl Metered {
+    /// The client went away: what is still read is metered, not sent.
+    pub(super) fn client_gone(&mut self) {
+        self.client_gone = true;
+    }
+
+    /// Ends the stream now (the pump gave up on the client) and settles it.
+    pub(super) fn stop(&mut self, end: End) {
+        let _ = self.meter.flush();
+        self.settle(end);
+        self.ended = true;
+    }
+
     fn settle(&mut self, end: End) {
         let Some(tail) = self.tail.take() else { return };
         let Tail {
@@ -99,13 +119,19 @@ impl Metered {
             pending,
             mut record,
             input_tokens,
+            max_output_total,
             started,
             permit,
             ..
         } = tail;
         drop(permit);
         let policy = &snap.policy;
-        let (usage, actual) = self.meter.usage_or_count(input_tokens);
+        let (mut usage, actual) = self.meter.usage_or_count(input_tokens);
+        // Cut by the sidecar before the end: the upstream may have produced more than was
+        // read, so the reserved worst case is committed unless the provider's usage was seen.
+        if !actual && matches!(end, End::Timeout | End::ClientGone | End::ClientStalled) {
+            usage.output_tokens = usage.output_tokens.max(max_output_total);
+        }
         let evidence = match end {
             End::Complete if actual => UsageEvidence::Actual,
             End::Complete if self.meter.done => UsageEvidence::Estimated,
@@ -113,9 +139,19 @@ impl Metered {
         };
         let backend = policy.backends.get(pending.backend_index()).cloned();
         governor.settle(policy, &mut record, pending, usage, evidence);
+        record.client_disconnected = self.client_gone || end == End::ClientGone;
         match end {
-            End::UpstreamError | End::Timeout => {
+            End::UpstreamError | End::Timeout | End::Oversized => {
                 record.reason_class.note(ReasonClass::UpstreamFailure);
+                match end {
+                    End::Oversized => {
+                        record.error = Some("the upstream sent an oversized stream event".into())
+                    }
+                    End::Timeout => {
+                        record.error = Some("the stream passed its total timeout".into())
+                    }
+                    _ => {}
+                }
                 if let Some(b) = backend {
                     let now = jiff::Timestamp::now().as_millisecond();
                     governor
@@ -129,6 +165,12 @@ impl Metered {
                 record.error = Some("stream stopped: output passed the reserved worst case".into());
             }
             End::ClientGone => record.error = Some("client disconnected mid-stream".into()),
+            End::ClientStalled => {
+                record.error = Some("the client stopped reading: ended at the total timeout".into())
+            }
+            End::Complete if self.client_gone => {
+                record.error = Some("client disconnected; the answer was read for its usage".into())
+            }
             End::Complete => {}
         }
         let now = jiff::Timestamp::now();
@@ -234,6 +276,16 @@ impl HttpBody for Metered {
                         }
                     };
                     let out = this.meter.feed(&data);
+                    if this.meter.oversized {
+                        // An event that never ends: close what was forwarded of it (blank
+                        // line), then the error event; a circuit failure, PARTIAL usage.
+                        let mut ev = b"\n\n".to_vec();
+                        ev.extend_from_slice(&error_event(
+                            "the upstream sent a stream event larger than tollgate accepts",
+                            "upstream_event_too_large",
+                        ));
+                        return this.finish_with(End::Oversized, out, Some(Bytes::from(ev)));
+                    }
                     if native_error {
                         // The provider reported an error inside its stream; its OpenAI error
                         // event is in `out`. End here: partial usage, a circuit failure.

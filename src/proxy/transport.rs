@@ -285,6 +285,9 @@ impl Call<'_> {
         let mut headers = parts.headers;
         let class = match status.as_u16() {
             200..=299 => None,
+            // A redirect is never followed nor passed on: the upstream URL comes only from
+            // the policy, and a 3xx is not an answer.
+            300..=399 => Some(FailureClass::Server),
             429 => Some(FailureClass::Throttled),
             401 | 403 => Some(FailureClass::Auth),
             // 529 is Anthropic's overloaded_error.
@@ -340,6 +343,10 @@ impl Call<'_> {
         // Answers already in the OpenAI shape pass as they are: no envelope to build.
         let native = provider.translates_answers();
         if self.stream {
+            if !providers::validate::stream_head_ok(status, &headers) {
+                tracing::warn!(backend = %backend.id, status = status.as_u16(), "the upstream's stream answer is not a stream");
+                return failure(FailureClass::Server, Some(status.as_u16()), None);
+            }
             let translate = if native {
                 provider.stream(self.envelope(&spec))
             } else {
@@ -369,6 +376,11 @@ impl Call<'_> {
             Ok(None)
         };
         let body = match translated {
+            Ok(None) if !providers::validate::openai_answer_ok(self.endpoint, &b) => {
+                // A 2xx that is not the answer (an HTML page, empty, a 204): fail over.
+                tracing::warn!(backend = %backend.id, status = status.as_u16(), "the upstream's answer is not the expected JSON");
+                return failure(FailureClass::Server, Some(status.as_u16()), None);
+            }
             Ok(None) => b,
             Ok(Some(t)) => {
                 retype(&mut headers, "application/json");

@@ -9,9 +9,12 @@
 --   then per counter 4 values: hard t, hard r, hard u (-1 = no limit), key expiry (unix ms).
 -- Returns {1, committed t r u per counter...} or {0, part, dim, used, hard, committed...}
 --   (part 0-based, dim 0 tokens / 1 requests / 2 usd; used = committed + held).
+-- Amounts saturate at 2^53 - 1, as in settle.lua.
+local MAX = 9007199254740991
+local function sat(x) if x > MAX then return MAX end return x end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local amt = {tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])}
+local amt = {sat(tonumber(ARGV[2])), sat(tonumber(ARGV[3])), sat(tonumber(ARGV[4]))}
 local lease = tonumber(ARGV[5])
 local n = tonumber(ARGV[6])
 local held_f = {'ht', 'hr', 'hu'}
@@ -42,7 +45,7 @@ for i = 0, n - 1 do
   purge(KEYS[3 * i + 1], KEYS[3 * i + 2])
   local v = redis.call('HMGET', KEYS[3 * i + 1], 'ct', 'cr', 'cu', 'ht', 'hr', 'hu')
   local c = {}
-  for j = 1, 6 do c[j] = tonumber(v[j]) or 0 end
+  for j = 1, 6 do c[j] = sat(tonumber(v[j]) or 0) end
   cur[i + 1] = c
   committed[#committed + 1] = c[1]
   committed[#committed + 1] = c[2]
@@ -68,7 +71,7 @@ end
 for i = 0, n - 1 do
   local k, l = KEYS[3 * i + 1], KEYS[3 * i + 2]
   local c = cur[i + 1]
-  redis.call('HSET', k, 'ht', c[4] + amt[1], 'hr', c[5] + amt[2], 'hu', c[6] + amt[3])
+  redis.call('HSET', k, 'ht', sat(c[4] + amt[1]), 'hr', sat(c[5] + amt[2]), 'hu', sat(c[6] + amt[3]))
   redis.call('ZADD', l, now + lease, ARGV[1])
   local exp = ARGV[6 + 4 * i + 4]
   redis.call('PEXPIREAT', k, exp)

@@ -7,6 +7,10 @@
 --   ARGV[4..6] actual t r u; ARGV[7] how long settled ids are remembered (ms);
 --   ARGV[8] n counters; then per counter its key expiry (unix ms).
 -- Returns the number of counters settled by this call (0 = all were settled before).
+-- Amounts saturate at 2^53 - 1 (Lua numbers are doubles; exact integers stop there): a
+-- provider's absurd usage report must never wrap or turn a counter into a float.
+local MAX = 9007199254740991
+local function sat(x) if x > MAX then return MAX end return x end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local rid = ARGV[2]
@@ -15,7 +19,7 @@ local keep = tonumber(ARGV[7])
 local n = tonumber(ARGV[8])
 local a, b, c = string.match(ARGV[1], ':(%d+):(%d+):(%d+)$')
 local held = {tonumber(a), tonumber(b), tonumber(c)}
-local actual = {tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])}
+local actual = {sat(tonumber(ARGV[4])), sat(tonumber(ARGV[5])), sat(tonumber(ARGV[6]))}
 -- Old settled ids are trimmed by about one settle in 16 (rids end in a hex sequence number).
 local trim = string.sub(rid, -1) == '0'
 local done = 0
@@ -32,7 +36,7 @@ for i = 0, n - 1 do
         for d = 1, 3 do x[d + 3] = math.max(0, x[d + 3] - held[d]) end
       end
       if commit then
-        for d = 1, 3 do x[d] = x[d] + actual[d] end
+        for d = 1, 3 do x[d] = sat(x[d] + actual[d]) end
       end
       redis.call('HSET', k, 'ct', x[1], 'cr', x[2], 'cu', x[3], 'ht', x[4], 'hr', x[5], 'hu', x[6])
     end

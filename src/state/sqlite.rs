@@ -291,9 +291,9 @@ impl SqliteStore {
                     w,
                     s,
                     exp,
-                    a.tokens as i64,
-                    a.requests as i64,
-                    a.usd as i64
+                    sql_int(a.tokens),
+                    sql_int(a.requests),
+                    sql_int(a.usd)
                 ])
                 .map_err(err)?;
             }
@@ -435,6 +435,12 @@ impl Persister {
             let _ = t.join();
         }
     }
+}
+
+/// SQLite integers are signed: a counter past `i64::MAX` is stored saturated, never as a
+/// negative number that would load back as zero.
+fn sql_int(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
 }
 
 #[cfg(test)]

@@ -8,4 +8,4 @@ mod sse;
 #[cfg(test)]
 mod tests;
 
-pub use sse::{SseMeter, StreamUsage};
+pub use sse::{SseMeter, StreamUsage, MAX_EVENT_BYTES};

@@ -98,6 +98,10 @@ pub struct SseMeter {
     hide_usage: bool,
     /// Bytes of an event not yet complete.
     partial: BytesMut,
+    /// How much of `partial` was already scanned for an event end.
+    scanned: usize,
+    /// An event passed [`MAX_EVENT_BYTES`]: the stream must end (as an upstream failure).
+    pub oversized: bool,
     /// The last usage seen.
     pub usage: Option<StreamUsage>,
     /// Output tokens counted from the text seen so far.
@@ -109,6 +113,10 @@ pub struct SseMeter {
     /// Events parsed.
     pub events: u64,
 }
+
+/// Largest SSE event (or NDJSON line) a stream may carry: 4 MiB, far above any real chunk.
+/// Past it the stream ends as an upstream failure instead of growing a buffer without bound.
+pub const MAX_EVENT_BYTES: usize = 4 * 1024 * 1024;
 
 fn find_event_end(b: &[u8]) -> Option<usize> {
     // An event ends at a blank line: "\n\n", "\r\n\r\n" (or the mixed "\n\r\n").
@@ -133,6 +141,8 @@ impl SseMeter {
             tok,
             hide_usage,
             partial: BytesMut::new(),
+            scanned: 0,
+            oversized: false,
             usage: None,
             counted_output: 0,
             done: false,
@@ -141,28 +151,24 @@ impl SseMeter {
         }
     }
 
-    /// Feeds one body frame; returns the bytes to send to the client now.
+    /// Feeds one body frame; returns the bytes to send to the client now. Once an event
+    /// grows past [`MAX_EVENT_BYTES`] the meter stops ([`SseMeter::oversized`]) and returns
+    /// nothing more.
     pub fn feed(&mut self, frame: &Bytes) -> Bytes {
-        if !self.hide_usage {
-            self.partial.extend_from_slice(frame);
-            while let Some(end) = find_event_end(&self.partial) {
-                let ev = self.partial.split_to(end);
-                self.inspect(&ev);
-            }
-            return frame.clone();
+        if self.oversized {
+            return Bytes::new();
         }
-        // Hiding mode: forward complete events only, minus the hidden ones.
         let zero_copy = self.partial.is_empty();
         self.partial.extend_from_slice(frame);
         let mut out = BytesMut::new();
         let mut all_kept_unchanged = true;
-        let mut consumed = 0usize;
-        while let Some(end) = find_event_end(&self.partial[consumed..]) {
-            let ev = &self.partial[consumed..consumed + end];
-            let ev_owned = Bytes::copy_from_slice(ev);
-            consumed += end;
-            match self.inspect(&ev_owned) {
-                Keep::Unchanged => out.extend_from_slice(&ev_owned),
+        while let Some(ev) = self.next_event() {
+            match self.inspect(&ev) {
+                Keep::Unchanged => {
+                    if self.hide_usage {
+                        out.extend_from_slice(&ev);
+                    }
+                }
                 Keep::Rewritten(b) => {
                     all_kept_unchanged = false;
                     out.extend_from_slice(&b);
@@ -170,15 +176,40 @@ impl SseMeter {
                 Keep::Drop => all_kept_unchanged = false,
             }
         }
-        let _ = self.partial.split_to(consumed);
-        if zero_copy && all_kept_unchanged && self.partial.is_empty() {
+        if self.partial.len() > MAX_EVENT_BYTES {
+            // An event that never ends: stop here rather than hold it without bound.
+            self.oversized = true;
+            self.partial = BytesMut::new();
+            self.scanned = 0;
+            return Bytes::new();
+        }
+        // Pass-through mode forwards every frame as it is; hiding mode complete events only.
+        if !self.hide_usage || (zero_copy && all_kept_unchanged && self.partial.is_empty()) {
             return frame.clone();
         }
         out.freeze()
     }
 
+    /// Cuts the next complete event off `partial`. The scan resumes where the previous one
+    /// stopped (less the two bytes a terminator may straddle), so an event arriving in many
+    /// frames is scanned once, not once per frame.
+    fn next_event(&mut self) -> Option<Bytes> {
+        let from = self.scanned.saturating_sub(2);
+        match find_event_end(&self.partial[from..]) {
+            Some(end) => {
+                self.scanned = 0;
+                Some(self.partial.split_to(from + end).freeze())
+            }
+            None => {
+                self.scanned = self.partial.len();
+                None
+            }
+        }
+    }
+
     /// Whatever is left when the upstream ends (an event without its blank line).
     pub fn flush(&mut self) -> Bytes {
+        self.scanned = 0;
         let rest = self.partial.split().freeze();
         if !rest.is_empty() {
             self.inspect(&rest);

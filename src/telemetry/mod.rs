@@ -183,6 +183,10 @@ fn record(entry: &Entry, overhead: bool, today: UsageWindows) {
             crate::units::usd_to_micros(rec.cost_usd),
         );
     }
+    if rec.usage_over_reservation {
+        metrics::counter!(names::TOLLGATE_USAGE_OVER_RESERVATION_TOTAL, "backend" => rec.backend.to_string())
+            .increment(1);
+    }
     if !rec.alerts.is_empty() {
         let _dropped = t.alerts.emit(rec, &entry.ts);
     }

@@ -36,6 +36,9 @@ pub const TOLLGATE_ALERTS_TOTAL: &str = "tollgate_alerts_total";
 /// (past `server.max_connections`, answered 503) or `idle` (no byte within
 /// `server.header_read_timeout`).
 pub const TOLLGATE_CONNECTIONS_REFUSED_TOTAL: &str = "tollgate_connections_refused_total";
+/// counter {backend}: calls whose committed usage was above their reserved worst case (a
+/// provider billing past the cap it was sent, or an absurd usage report).
+pub const TOLLGATE_USAGE_OVER_RESERVATION_TOTAL: &str = "tollgate_usage_over_reservation_total";
 
 /// Upstream latency buckets, seconds: local models answer in ms, big ones in a minute.
 pub const DURATION_BUCKETS: &[f64] = &[
@@ -115,5 +118,10 @@ pub fn describe() {
         TOLLGATE_CONNECTIONS_REFUSED_TOTAL,
         Unit::Count,
         "Connections closed before any request, by port (data/admin) and reason (limit/idle)"
+    );
+    describe_counter!(
+        TOLLGATE_USAGE_OVER_RESERVATION_TOTAL,
+        Unit::Count,
+        "Calls whose committed usage was above their reserved worst case, by backend"
     );
 }

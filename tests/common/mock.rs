@@ -125,6 +125,14 @@ enum Kind {
         usage: Option<(u64, u64)>,
         every: Duration,
     },
+    SseRepeat {
+        frame: Bytes,
+        count: usize,
+        every: Duration,
+    },
+    Echo {
+        status: u16,
+    },
 }
 
 /// A scripted answer. Build with the constructors, refine with `.header()`, `.delay()`,
@@ -284,6 +292,24 @@ impl Answer {
         })
     }
 
+    /// 200 `text/event-stream` sending the same `frame` `count` times, `every` apart (zero:
+    /// as fast as the client takes them), without holding them all in memory. For hostile
+    /// streams: a huge answer, an event that never ends.
+    pub fn sse_repeat(frame: impl Into<Bytes>, count: usize, every: Duration) -> Answer {
+        Answer::of(Kind::SseRepeat {
+            frame: frame.into(),
+            count,
+            every,
+        })
+    }
+
+    /// `status` with an OpenAI-style error body whose message echoes every request header
+    /// (name: value), and the request's `authorization` echoed in an `x-echo-authorization`
+    /// response header: an upstream that leaks what it was sent.
+    pub fn echo_request(status: u16) -> Answer {
+        Answer::of(Kind::Echo { status })
+    }
+
     /// Whether this answer is `reset()`.
     pub fn is_reset(&self) -> bool {
         matches!(self.kind, Kind::Reset)
@@ -434,6 +460,27 @@ fn streaming(frames: Vec<Bytes>, every: Duration, abort: bool) -> Response<RespB
     resp
 }
 
+fn streaming_repeat(frame: Bytes, count: usize, every: Duration) -> Response<RespBody> {
+    let stream = futures_util::stream::unfold(0usize, move |i| {
+        let frame = frame.clone();
+        async move {
+            if i >= count {
+                return None;
+            }
+            if i > 0 && !every.is_zero() {
+                tokio::time::sleep(every).await;
+            }
+            Some((Ok::<_, BoxError>(Frame::data(frame)), i + 1))
+        }
+    });
+    let mut resp = Response::new(StreamBody::new(stream).boxed_unsync());
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    resp
+}
+
 impl Answer {
     /// Render the response for `req`. Not for `reset()`.
     fn render(&self, req: &Received, seq: usize) -> Response<RespBody> {
@@ -517,6 +564,34 @@ impl Answer {
                 *every,
                 self.abort_body,
             ),
+            Kind::SseRepeat {
+                frame,
+                count,
+                every,
+            } => streaming_repeat(frame.clone(), *count, *every),
+            Kind::Echo { status } => {
+                let seen: Vec<String> = req
+                    .headers
+                    .iter()
+                    .map(|(k, v)| format!("{k}: {}", String::from_utf8_lossy(v.as_bytes())))
+                    .collect();
+                let mut r = json_resp(
+                    *status,
+                    &json!({"error": {
+                        "message": format!("rejected; you sent {}", seen.join(", ")),
+                        "type": "invalid_request_error", "param": null, "code": null,
+                    }}),
+                );
+                for name in ["authorization", "x-api-key", "x-goog-api-key"] {
+                    if let Some(v) = req.headers.get(name) {
+                        r.headers_mut().insert(
+                            HeaderName::from_bytes(format!("x-echo-{name}").as_bytes()).unwrap(),
+                            v.clone(),
+                        );
+                    }
+                }
+                r
+            }
             Kind::Reset => unreachable!("reset has no response"),
         };
         let h = resp.headers_mut();
