@@ -43,7 +43,7 @@ wait_port() { for _ in $(seq 600); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/n
 # measure NAME PORT CMD...: runs CMD under callgrind, prints instructions per request.
 measure() {
   local name=$1 port=$2; shift 2
-  valgrind --tool=callgrind --callgrind-out-file="$OUT/$name.%p" "$@" >"$OUT/$name.log" 2>&1 &
+  env ${VG_PRELOAD:+LD_PRELOAD=$VG_PRELOAD} valgrind --tool=callgrind --callgrind-out-file="$OUT/$name.%p" "$@" >"$OUT/$name.log" 2>&1 &
   local vg=$!; pids+=($vg)
   wait_port "$port"
   send "$port" 20
@@ -61,7 +61,8 @@ measure() {
 ng=$(measure nginx 18090 nginx -c "$PWD/bench/nginx-proxy.conf" -p /tmp -g 'master_process off;')
 PORT=$(sed -n 's/.*{listen: 127.0.0.1:\([0-9]*\),.*/\1/p' "$POLICY" | head -1)
 rm -f /tmp/tollgate-bench.db*
-tg=$(TOLLGATE_LOG=warn measure tollgate "$PORT" "$BIN" serve --policy "$POLICY")
+# PRELOAD=/path/to/lib.so: try another allocator under the same binary (valgrind's LD_PRELOAD).
+tg=$(TOLLGATE_LOG=warn VG_PRELOAD=${PRELOAD:-} measure tollgate "$PORT" "$BIN" serve --policy "$POLICY")
 echo "policy: $POLICY, $N requests"
 echo "nginx    instructions/request: $ng"
 echo "tollgate instructions/request: $tg"

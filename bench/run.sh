@@ -12,7 +12,8 @@ DUR=${DUR:-10s}
 PASSES=${PASSES:-3}
 TICK=$(getconf CLK_TCK)
 command -v wrk >/dev/null && command -v nginx >/dev/null || { echo "needs wrk and nginx (apt-get install wrk nginx)"; exit 2; }
-cargo build --release --quiet --bin tollgate
+BIN=${BIN:-./target/release/tollgate}   # BIN=path: bench that binary instead of building
+[ "$BIN" != ./target/release/tollgate ] || cargo build --release --quiet --bin tollgate
 rm -f /tmp/tollgate-bench.db*
 
 pids=()
@@ -21,8 +22,8 @@ trap cleanup EXIT
 
 nginx -c "$PWD/bench/nginx-mock.conf" -p /tmp & pids+=($!)
 nginx -c "$PWD/bench/nginx-proxy.conf" -p /tmp & pids+=($!)
-TOLLGATE_LOG=warn ./target/release/tollgate serve --policy bench/policy.yaml & TG=$!; pids+=($TG)
-TOLLGATE_LOG=warn ./target/release/tollgate serve --policy bench/policy-default.yaml & TGD=$!; pids+=($TGD)
+TOLLGATE_LOG=warn "$BIN" serve --policy bench/policy.yaml & TG=$!; pids+=($TG)
+TOLLGATE_LOG=warn "$BIN" serve --policy bench/policy-default.yaml & TGD=$!; pids+=($TGD)
 sleep 1.5
 NGINX_PROXY=$(cat /tmp/tollgate-bench-proxy.pid)
 
@@ -82,6 +83,6 @@ echo "tollgate RSS after the runs: $(awk '/VmRSS/{print $2, $3}' /proc/$TG/statu
 echo "tollgate-sqlite RSS after the runs: $(awk '/VmRSS/{print $2, $3}' /proc/$TGD/status)"
 if [ -n "${CALLGRIND:-}" ]; then
   cleanup; pids=()
-  bench/callgrind.sh
-  POLICY=bench/policy-default.yaml bench/callgrind.sh
+  BIN=$BIN bench/callgrind.sh
+  BIN=$BIN POLICY=bench/policy-default.yaml bench/callgrind.sh
 fi

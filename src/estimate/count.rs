@@ -32,9 +32,7 @@ pub fn count_text(tok: Tokenizer, s: &str) -> u64 {
     }
     match tok {
         Tokenizer::O200k | Tokenizer::Cl100k => match tables(tok) {
-            Some(t) if offloads(s.len()) => {
-                tokio::task::block_in_place(|| bpe_count(t, tok, s))
-            }
+            Some(t) if offloads(s.len()) => tokio::task::block_in_place(|| bpe_count(t, tok, s)),
             Some(t) => bpe_count(t, tok, s),
             None => chars_to_tokens(to_u64(s.chars().count())),
         },
@@ -66,9 +64,9 @@ pub fn warm_up_for(tok: Tokenizer) {
 }
 
 /// Texts at least this long are counted with `tokio::task::block_in_place` when on a
-/// multi-threaded runtime: a 1 MB prompt takes ~10 ms to count, and the runtime hands this
-/// worker's other tasks to another thread meanwhile instead of stalling them. (Below this, a
-/// count takes under ~0.3 ms, less than the hand-off is worth.)
+/// multi-threaded runtime: counting is linear in the text (on the order of a millisecond per
+/// 100 KB), so a multi-megabyte prompt would hold the worker for many milliseconds; the runtime
+/// hands this worker's other tasks to another thread meanwhile instead of stalling them.
 pub const OFFLOAD_BYTES: usize = 32 * 1024;
 
 /// Whether counting `len` bytes here moves off the async worker: a large text, inside a

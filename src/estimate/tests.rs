@@ -81,7 +81,10 @@ fn large_text() -> String {
 fn large_texts_are_counted_off_the_worker_only_on_a_multi_threaded_runtime() {
     let text = large_text();
     let want = count_text(O, &text);
-    assert!(!count::offloads(text.len()), "no runtime: nothing to offload");
+    assert!(
+        !count::offloads(text.len()),
+        "no runtime: nothing to offload"
+    );
     let current = tokio::runtime::Builder::new_current_thread().build();
     let multi = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
