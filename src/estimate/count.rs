@@ -79,6 +79,7 @@ pub(crate) fn offloads(len: usize) -> bool {
 }
 
 /// The vocabulary of `tok` (`None` for `Chars`); built on first use.
+#[cfg(test)]
 pub(crate) fn ranks_for(tok: Tokenizer) -> Option<&'static Ranks> {
     tables(tok).map(|t| &t.ranks)
 }

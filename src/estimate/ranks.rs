@@ -68,6 +68,7 @@ impl Ranks {
     }
 
     /// Number of tokens.
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.starts.len()
     }
