@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # Loopback load bench: direct-to-upstream, nginx as a bare reverse proxy, and tollgate with a
 # realistic policy (bench/policy.yaml), each at 16 and 64 connections with wrk (one thread),
-# three passes, the median pass (by requests/s) reported. Bounded: 3 × 2 × 3 runs of $DUR.
+# three passes, the median pass (by requests/s) reported; then tollgate on the default policy's
+# shape (bench/policy-default.yaml: SQLite state, JSONL audit). Bounded: 4 × 2 × 3 runs of $DUR,
+# plus a 1-connection latency run per target. Ratios to nginx are printed at the end.
 #   bench/run.sh            (DUR=10s by default; needs nginx and wrk: apt-get install nginx wrk)
+#   CALLGRIND=1 bench/run.sh   (also instructions per request: bench/callgrind.sh, needs valgrind)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DUR=${DUR:-10s}
 PASSES=${PASSES:-3}
 TICK=$(getconf CLK_TCK)
 command -v wrk >/dev/null && command -v nginx >/dev/null || { echo "needs wrk and nginx (apt-get install wrk nginx)"; exit 2; }
-cargo build --release --quiet
+BIN=${BIN:-./target/release/tollgate}   # BIN=path: bench that binary instead of building
+[ "$BIN" != ./target/release/tollgate ] || cargo build --release --quiet --bin tollgate
+rm -f /tmp/tollgate-bench.db*
 
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
@@ -17,7 +22,8 @@ trap cleanup EXIT
 
 nginx -c "$PWD/bench/nginx-mock.conf" -p /tmp & pids+=($!)
 nginx -c "$PWD/bench/nginx-proxy.conf" -p /tmp & pids+=($!)
-TOLLGATE_LOG=warn ./target/release/tollgate serve --policy bench/policy.yaml & TG=$!; pids+=($TG)
+TOLLGATE_LOG=warn "$BIN" serve --policy bench/policy.yaml & TG=$!; pids+=($TG)
+TOLLGATE_LOG=warn "$BIN" serve --policy bench/policy-default.yaml & TGD=$!; pids+=($TGD)
 sleep 1.5
 NGINX_PROXY=$(cat /tmp/tollgate-bench-proxy.pid)
 
@@ -47,19 +53,36 @@ run() { # name url pid connections -> "rps p50 p99 cpu_us_per_req errors"
 
 echo "| target | conns | req/s | p50 µs | p99 µs | proxy CPU µs/req | errors |"
 echo "| --- | --- | --- | --- | --- | --- | --- |"
-for target in direct nginx tollgate; do
+declare -A RPS CPU P50
+for target in direct nginx tollgate tollgate-sqlite; do
   case $target in
     direct) url=http://127.0.0.1:18080/v1/chat/completions; pid=- ;;
     nginx) url=http://127.0.0.1:18090/v1/chat/completions; pid=$NGINX_PROXY ;;
     tollgate) url=http://127.0.0.1:18787/v1/chat/completions; pid=$TG ;;
+    tollgate-sqlite) url=http://127.0.0.1:18788/v1/chat/completions; pid=$TGD ;;
   esac
-  for c in 16 64; do
+  for c in 1 16 64; do
     results=()
     for _ in $(seq "$PASSES"); do results+=("$(run "$target" "$url" "$pid" "$c")"); done
     median=$(printf '%s\n' "${results[@]}" | sort -n -k1 | sed -n "$(( (PASSES + 1) / 2 ))p")
     read -r rps p50 p99 cpu errors <<<"$median"
+    RPS[$target/$c]=$rps; CPU[$target/$c]=$cpu; P50[$target/$c]=$p50
     echo "| $target | $c | $rps | $p50 | $p99 | $cpu | $errors |"
   done
 done
 echo
+for t in tollgate tollgate-sqlite; do
+  for c in 16 64; do
+    awk -v t="$t" -v c="$c" -v r="${RPS[$t/$c]}" -v rn="${RPS[nginx/$c]}" -v u="${CPU[$t/$c]}" -v un="${CPU[nginx/$c]}" \
+      'BEGIN{printf "%s at %s connections: %.0f %% of nginx req/s, %.2fx nginx CPU per request\n", t, c, 100*r/rn, u/un}'
+  done
+  awk -v t="$t" -v a="${P50[$t/1]}" -v n="${P50[nginx/1]}" -v d="${P50[direct/1]}" \
+    'BEGIN{printf "%s p50 added latency at 1 connection: %d µs (nginx: %d µs, %.2fx)\n", t, a-d, n-d, (n>d)?(a-d)/(n-d):0}'
+done
 echo "tollgate RSS after the runs: $(awk '/VmRSS/{print $2, $3}' /proc/$TG/status)"
+echo "tollgate-sqlite RSS after the runs: $(awk '/VmRSS/{print $2, $3}' /proc/$TGD/status)"
+if [ -n "${CALLGRIND:-}" ]; then
+  cleanup; pids=()
+  BIN=$BIN bench/callgrind.sh
+  BIN=$BIN POLICY=bench/policy-default.yaml bench/callgrind.sh
+fi

@@ -1,20 +1,21 @@
 //! Turning text into a token count.
 //!
-//! Every estimate bottoms out here: a string and a [`Tokenizer`] in, a token count out. The BPE
-//! tokenizers come from `bpe-openai`, which is linear-time and matches tiktoken's
-//! `encode_ordinary` exactly (special-token text such as `<|endoftext|>` is counted as plain
-//! text). Its tokenizer tables live in `std::sync::LazyLock` statics inside that crate, so each
-//! one is built at most once per process, on first use; so are our single-token sets
-//! (`vocab`). [`warm_up`] moves that one-off cost from the first request to start-up.
+//! Every estimate bottoms out here: a string and a [`Tokenizer`] in, a token count out. Counts
+//! for `o200k_base` and `cl100k_base` are tiktoken's `encode_ordinary` counts exactly (special-
+//! token text such as `<|endoftext|>` is counted as plain text); tests check them against the
+//! `bpe-openai` library on random input. Each tokenizer's tables (`tables`: the vocabulary in
+//! `ranks` and the pre-tokenizer regex) are built at most once per process, on first use, and
+//! only for the tokenizer asked for; [`warm_up_for`] moves that cost to start-up.
 //!
 //! The library's own `count` runs a regex per piece and a full BPE per piece; we produce the
-//! identical count about 3-4x faster on English by splitting ASCII text by hand (`pretok`),
-//! answering whole-token pieces from a set (`vocab`), and remembering each piece's count
-//! within one text (`PieceCache`). Tests check equality with the library on random input.
+//! identical count several times faster on English by splitting ASCII text by hand (`pretok`),
+//! answering whole-token pieces with one table lookup (`ranks`), and remembering each piece's
+//! count within one text (`PieceCache`).
 
+use super::ranks::Ranks;
+use super::tables::{tables, Tables};
 use super::{pretok, vocab};
 use crate::policy::Tokenizer;
-use bpe_openai::{cl100k_base, o200k_base, Tokenizer as BpeTokenizer};
 
 /// Characters per token assumed by [`Tokenizer::Chars`] and by the JSON-length fallback.
 pub const CHARS_PER_TOKEN: u64 = 4;
@@ -30,8 +31,11 @@ pub fn count_text(tok: Tokenizer, s: &str) -> u64 {
         return 0;
     }
     match tok {
-        Tokenizer::O200k => bpe_count(o200k_base(), tok, s),
-        Tokenizer::Cl100k => bpe_count(cl100k_base(), tok, s),
+        Tokenizer::O200k | Tokenizer::Cl100k => match tables(tok) {
+            Some(t) if offloads(s.len()) => tokio::task::block_in_place(|| bpe_count(t, tok, s)),
+            Some(t) => bpe_count(t, tok, s),
+            None => chars_to_tokens(to_u64(s.chars().count())),
+        },
         Tokenizer::Chars => chars_to_tokens(to_u64(s.chars().count())),
     }
 }
@@ -43,7 +47,7 @@ pub fn count_output_text(tok: Tokenizer, s: &str) -> u64 {
     count_text(tok, s)
 }
 
-/// Builds both BPE tokenizers now instead of on the first request that needs them.
+/// Builds both BPE tokenizers' tables now instead of on the first request that needs them.
 /// Idempotent and cheap after the first call.
 pub fn warm_up() {
     warm_up_for(Tokenizer::O200k);
@@ -53,42 +57,64 @@ pub fn warm_up() {
 /// Builds only the tokenizer `tok` needs (nothing for `Chars`); for a sidecar whose policy
 /// names a single tokenizer and wants to spare the memory of the other.
 pub fn warm_up_for(tok: Tokenizer) {
-    // Dereferencing the LazyLock inside `*_base()` forces construction; counting a short
-    // string also touches the pre-tokenizer regex so its lazy caches are populated.
+    // Counting forces the tables' construction; the non-ASCII string also touches the
+    // pre-tokenizer regex so its lazy caches are populated.
     let _ = count_text(tok, "warm up");
     let _ = count_text(tok, "warm up, naïve café");
 }
 
-/// `bpe.count(s)`, faster: ASCII runs are split by [`pretok::AsciiSplit`] instead of the
-/// library's regex, and pieces are counted through [`PieceCache`]. Gives exactly the
-/// library's `Tokenizer::count` (tested).
-fn bpe_count(bpe: &'static BpeTokenizer, kind: Tokenizer, s: &str) -> u64 {
-    let normalized = bpe.normalize(s);
-    let s = normalized.as_str();
-    let mut cache = PieceCache::new(s.len(), vocab::vocab_for(bpe));
+/// Texts at least this long are counted with `tokio::task::block_in_place` when on a
+/// multi-threaded runtime: counting is linear in the text (on the order of a millisecond per
+/// 100 KB), so a multi-megabyte prompt would hold the worker for many milliseconds; the runtime
+/// hands this worker's other tasks to another thread meanwhile instead of stalling them.
+pub const OFFLOAD_BYTES: usize = 32 * 1024;
+
+/// Whether counting `len` bytes here moves off the async worker: a large text, inside a
+/// multi-threaded tokio runtime (`block_in_place` panics on a current-thread runtime, and
+/// outside a runtime there is nothing to stall).
+pub(crate) fn offloads(len: usize) -> bool {
+    len >= OFFLOAD_BYTES
+        && tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
+}
+
+/// The vocabulary of `tok` (`None` for `Chars`); built on first use.
+#[cfg(test)]
+pub(crate) fn ranks_for(tok: Tokenizer) -> Option<&'static Ranks> {
+    tables(tok).map(|t| &t.ranks)
+}
+
+/// The library's `Tokenizer::count(s)`, exactly (tested), faster and in a fraction of its
+/// memory: ASCII runs are split by [`pretok::AsciiSplit`] instead of the regex, pieces are
+/// counted by [`Ranks`] through [`PieceCache`]. (Neither tokenizer normalizes its input.)
+fn bpe_count(t: &'static Tables, kind: Tokenizer, s: &str) -> u64 {
+    let mut cache = PieceCache::new(s.len(), &t.ranks);
     let mut total: u64 = 0;
     for (chunk, ascii) in pretok::chunks(s) {
         if ascii {
             for piece in pretok::AsciiSplit::new(kind, chunk) {
-                total = total.saturating_add(cache.count(bpe, piece));
+                total = total.saturating_add(cache.count(piece));
+            }
+        } else if let Some(split) = &t.split {
+            for piece in split.split(chunk) {
+                total = total.saturating_add(cache.count(piece.as_bytes()));
             }
         } else {
-            for piece in bpe.split(chunk) {
-                total = total.saturating_add(cache.count(bpe, piece.as_bytes()));
-            }
+            total = total.saturating_add(cache.count(chunk.as_bytes()));
         }
     }
     total
 }
 
-/// Per-piece counting with two shortcuts before running the BPE: a piece that is a whole
-/// vocabulary token counts 1 ([`vocab`]), and in long texts each piece's count is remembered.
+/// Per-piece counting with two shortcuts before running the BPE merges: a piece that is a
+/// whole vocabulary token counts 1 (one lookup in [`Ranks`]), and in long texts each piece's
+/// count is remembered.
 /// English repeats its words, so most pieces of a long prompt are hits. The memo is
 /// direct-mapped: a slot holds the last piece that hashed to it, so a collision (accidental or
 /// crafted) only costs a miss, never more than counting uncached.
 struct PieceCache<'a> {
     slots: Vec<Option<(&'a [u8], u32)>>,
-    vocab: Option<&'static vocab::VocabSet>,
+    ranks: &'static Ranks,
 }
 
 impl<'a> PieceCache<'a> {
@@ -98,7 +124,7 @@ impl<'a> PieceCache<'a> {
     const MIN_SLOTS: usize = 512;
     const MAX_SLOTS: usize = 16384;
 
-    fn new(text_len: usize, vocab: Option<&'static vocab::VocabSet>) -> Self {
+    fn new(text_len: usize, ranks: &'static Ranks) -> Self {
         let slots = if text_len >= Self::MIN_TEXT {
             let n = (text_len / 16)
                 .next_power_of_two()
@@ -107,13 +133,13 @@ impl<'a> PieceCache<'a> {
         } else {
             Vec::new()
         };
-        PieceCache { slots, vocab }
+        PieceCache { slots, ranks }
     }
 
     #[inline]
-    fn count(&mut self, bpe: &BpeTokenizer, piece: &'a [u8]) -> u64 {
-        if piece.len() > vocab::MAX_PIECE {
-            return to_u64(bpe.bpe.count(piece));
+    fn count(&mut self, piece: &'a [u8]) -> u64 {
+        if piece.len() > vocab::MAX_PIECE || self.slots.is_empty() {
+            return to_u64(self.ranks.count(piece));
         }
         let mask = self.slots.len().wrapping_sub(1);
         let slot = self.slots.get_mut(vocab::hash_piece(piece) as usize & mask);
@@ -122,11 +148,7 @@ impl<'a> PieceCache<'a> {
                 return u64::from(*n);
             }
         }
-        let n = if self.vocab.is_some_and(|v| v.contains(piece)) {
-            1
-        } else {
-            to_u64(bpe.bpe.count(piece))
-        };
+        let n = to_u64(self.ranks.count(piece));
         if let Some(slot) = slot {
             *slot = Some((piece, u32::try_from(n).unwrap_or(u32::MAX)));
         }

@@ -9,7 +9,7 @@
 //! the caller when [`Estimate::max_output_tokens`] is `None`.
 //!
 //! Counting rules are in the submodules: [`count`] (text → tokens, with its fast paths in
-//! `pretok` and `vocab`), `chat` (messages, the OpenAI cookbook rule), [`images`] (image
+//! `pretok`, its vocabulary in `ranks` and `tables`), `chat` (messages, the OpenAI cookbook rule), [`images`] (image
 //! parts), `tools` (tool definitions), `prompt` (completions prompts and embeddings inputs).
 //! Counts are exact tiktoken counts; the fast paths exist because every request pays for its
 //! estimate before it is forwarded (see `benches/estimate.rs`).
@@ -20,6 +20,8 @@ mod error;
 pub mod images;
 mod pretok;
 mod prompt;
+mod ranks;
+mod tables;
 mod tools;
 mod vocab;
 

@@ -2,7 +2,7 @@
 //! request fields, every error, completions and embeddings in `tests/requests.rs`. The fast
 //! counting path is checked against the library in `pretok.rs`.
 
-use super::count::{json_chars, CHARS_PER_TOKEN};
+use super::count::{self, json_chars, CHARS_PER_TOKEN};
 use super::images::{high_detail_tokens, IMAGE_MAX_HIGH_DETAIL_TOKENS, IMAGE_UNKNOWN_SIZE_TOKENS};
 use super::*;
 use serde_json::{json, Value};
@@ -65,14 +65,48 @@ fn warm_up_builds_each_tokenizer_once() {
     warm_up();
     warm_up();
     warm_up_for(Tokenizer::Chars);
-    assert!(std::ptr::eq(
-        bpe_openai::o200k_base(),
-        bpe_openai::o200k_base()
-    ));
-    assert!(std::ptr::eq(
-        bpe_openai::cl100k_base(),
-        bpe_openai::cl100k_base()
-    ));
+    let (o, c) = (count::ranks_for(O), count::ranks_for(C));
+    assert!(o.is_some_and(|r| std::ptr::eq(r, count::ranks_for(O).unwrap_or(r))));
+    assert!(c.is_some_and(|r| r.len() == 100_256));
+    assert!(o.is_some_and(|r| r.len() == 199_998));
+    assert!(count::ranks_for(Tokenizer::Chars).is_none());
+}
+
+/// A large text, as in a 100 KB prompt.
+fn large_text() -> String {
+    "The quick brown fox jumps over the lazy dog; naïve café, 2024. ".repeat(2000)
+}
+
+#[test]
+fn large_texts_are_counted_off_the_worker_only_on_a_multi_threaded_runtime() {
+    let text = large_text();
+    let want = count_text(O, &text);
+    assert!(
+        !count::offloads(text.len()),
+        "no runtime: nothing to offload"
+    );
+    let current = tokio::runtime::Builder::new_current_thread().build();
+    let multi = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .build();
+    let (Ok(current), Ok(multi)) = (current, multi) else {
+        panic!("runtimes")
+    };
+    // A current-thread runtime counts in place (block_in_place would panic there).
+    let got = current.block_on(async { (count::offloads(text.len()), count_text(O, &text)) });
+    assert_eq!(got, (false, want));
+    let t = text.clone();
+    let got = multi.block_on(async move {
+        tokio::spawn(async move {
+            (
+                count::offloads(t.len()),
+                count::offloads(count::OFFLOAD_BYTES - 1),
+                count_text(O, &t),
+            )
+        })
+        .await
+    });
+    assert_eq!(got.ok(), Some((true, false, want)));
 }
 
 // ---- chat: the cookbook arithmetic ----

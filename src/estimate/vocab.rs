@@ -1,54 +1,14 @@
-//! "Is this piece one whole token?" in a single hash lookup.
+//! The estimator's hash of short byte strings (pieces of text, vocabulary tokens).
 //!
 //! Most pre-tokenized pieces of English (" the", " manual", ".") are a token of the vocabulary
-//! by themselves, and a BPE whose every token encodes to itself (which `bpe` asserts when it
-//! builds these dictionaries) encodes such a piece as exactly that one token. tiktoken's own
-//! encoder takes the same shortcut. A lookup is ~20x cheaper than running the BPE, which
-//! allocates twice per piece.
-//!
-//! The sets are built lazily, once, the first time a tokenizer is used (or by `warm_up`): about
-//! 20 ms and 4 MB for o200k, half that for cl100k, next to the ~100 MB of the BPE tables
-//! themselves. Only tokens of at most [`MAX_PIECE`] bytes are kept, since longer pieces are
-//! never looked up. Hashing is a fixed fast hash rather than SipHash: the table never changes
-//! after start-up, so crafted input cannot make it degrade.
+//! by themselves; `ranks` answers "is this piece a token, and which" with one lookup in a table
+//! hashed by [`hash_piece`], and `count` memoizes pieces per text with the same hash. It is a
+//! fixed fast hash rather than SipHash: the vocabulary never changes after start-up and the memo
+//! is direct-mapped (a collision costs a miss), so crafted input cannot make either degrade
+//! beyond a probe sequence bounded by the table's load factor.
 
-use bpe_openai::Tokenizer as BpeTokenizer;
-use std::collections::HashSet;
-use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::LazyLock;
-
-/// Longest piece the estimator looks up (in the vocabulary and in its per-text memo).
+/// Longest piece the estimator memoizes per text.
 pub(crate) const MAX_PIECE: usize = 24;
-
-/// Every token of a vocabulary that is at most [`MAX_PIECE`] bytes long.
-pub(crate) type VocabSet = HashSet<&'static [u8], BuildHasherDefault<PieceHasher>>;
-
-static O200K: LazyLock<VocabSet> = LazyLock::new(|| build(bpe_openai::o200k_base()));
-static CL100K: LazyLock<VocabSet> = LazyLock::new(|| build(bpe_openai::cl100k_base()));
-
-/// The single-token set of the tokenizer `bpe` is (by address) `o200k_base` or `cl100k_base`.
-pub(crate) fn vocab_for(bpe: &'static BpeTokenizer) -> Option<&'static VocabSet> {
-    if std::ptr::eq(bpe, bpe_openai::o200k_base()) {
-        Some(&O200K)
-    } else if std::ptr::eq(bpe, bpe_openai::cl100k_base()) {
-        Some(&CL100K)
-    } else {
-        None
-    }
-}
-
-fn build(bpe: &'static BpeTokenizer) -> VocabSet {
-    let n = bpe.bpe.num_tokens();
-    let mut set = VocabSet::with_capacity_and_hasher(n, BuildHasherDefault::default());
-    for id in 0..n {
-        let Ok(id) = u32::try_from(id) else { break };
-        let bytes = bpe.bpe.token_bytes(id);
-        if bytes.len() <= MAX_PIECE {
-            set.insert(bytes);
-        }
-    }
-    set
-}
 
 /// A quick multiplicative hash of a short byte string, from (overlapping) 8- or 4-byte loads
 /// that together cover every byte of keys up to 24 bytes.
@@ -82,22 +42,4 @@ fn load4(b: &[u8], i: usize) -> u64 {
     b.get(i..i + 4)
         .and_then(|w| w.try_into().ok())
         .map_or(0, |w| u64::from(u32::from_le_bytes(w)))
-}
-
-/// `Hasher` over [`hash_piece`]; `Hash for [u8]` writes the length, then the bytes in one go.
-#[derive(Default)]
-pub(crate) struct PieceHasher(u64);
-
-impl Hasher for PieceHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        self.0 = self.0.rotate_left(23) ^ hash_piece(bytes);
-    }
-
-    fn write_usize(&mut self, n: usize) {
-        self.0 = self.0.rotate_left(23) ^ (n as u64).wrapping_mul(0xFF51_AFD7_ED55_8CCD);
-    }
-
-    fn finish(&self) -> u64 {
-        self.0
-    }
 }

@@ -1,0 +1,290 @@
+//! The BPE vocabularies, small: every token's bytes and rank, and tiktoken's merge rule.
+//!
+//! `bpe-openai` ships each tokenizer as a 15-32 MB serialized automaton set that decodes into
+//! ~40 MB of tables, and both stay resident (the serialized bytes as file pages of the binary):
+//! about 70 MB for `o200k_base` alone, most of a sidecar's memory. Counting needs far less: the
+//! rank of a byte string, if it is a token. [`Ranks`] keeps the token bytes where the binary
+//! has them (`data/*.tokens`, a one-byte length and the bytes of each token in rank order,
+//! made from tiktoken's rank files by `scripts/tiktoken-to-tokens.py`) and one open-addressing
+//! table of ranks: ~1.6 + 2 MB for `o200k_base`, built in a few milliseconds on first use.
+//!
+//! [`Ranks::count`] is tiktoken's `byte_pair_merge`: merge the adjacent pair whose merged bytes
+//! have the lowest rank (leftmost on ties) until no pair is a token. Short pieces run it in
+//! place on the stack; longer ones (rare: long runs of spaces, digits, symbols) use a heap of
+//! candidate pairs, so a crafted 1 MB "word" costs O(n log n), not O(n²). Tests check both
+//! against the `bpe-openai` library on random input.
+
+use super::vocab::hash_piece;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+/// Pieces up to this length are merged with the quadratic scan, without allocating.
+const SHORT: usize = 32;
+const EMPTY: u32 = u32::MAX;
+
+/// A vocabulary: token bytes by rank and a hash table from bytes to rank.
+pub(crate) struct Ranks {
+    data: &'static [u8],
+    /// Offset in `data` of each token's length byte, by rank.
+    starts: Vec<u32>,
+    /// Open addressing, linear probing; a slot holds a rank or [`EMPTY`].
+    table: Vec<u32>,
+    mask: usize,
+}
+
+impl Ranks {
+    /// Indexes `data` (length-prefixed tokens in rank order). A truncated tail is ignored.
+    pub(crate) fn parse(data: &'static [u8]) -> Self {
+        let mut starts = Vec::new();
+        let mut at = 0usize;
+        while let Some(&len) = data.get(at) {
+            let end = at + 1 + usize::from(len);
+            if len == 0 || end > data.len() {
+                break;
+            }
+            starts.push(u32::try_from(at).unwrap_or(u32::MAX));
+            at = end;
+        }
+        starts.shrink_to_fit();
+        let slots = (starts.len() * 2).next_power_of_two().max(16);
+        let mut ranks = Ranks {
+            data,
+            starts,
+            table: vec![EMPTY; slots],
+            mask: slots - 1,
+        };
+        for rank in 0..ranks.starts.len() {
+            let Ok(rank) = u32::try_from(rank) else { break };
+            let mut i = hash_piece(ranks.token(rank)) as usize & ranks.mask;
+            while let Some(slot) = ranks.table.get_mut(i) {
+                if *slot == EMPTY {
+                    *slot = rank;
+                    break;
+                }
+                i = (i + 1) & ranks.mask;
+            }
+        }
+        ranks
+    }
+
+    /// Number of tokens.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.starts.len()
+    }
+
+    /// The bytes of token `rank` (empty for an unknown rank).
+    pub(crate) fn token(&self, rank: u32) -> &'static [u8] {
+        let data: &'static [u8] = self.data;
+        let Some(&at) = self.starts.get(rank as usize) else {
+            return &[];
+        };
+        let at = at as usize;
+        let len = data.get(at).map_or(0, |l| usize::from(*l));
+        data.get(at + 1..at + 1 + len).unwrap_or(&[])
+    }
+
+    /// The rank of `piece` if it is a token.
+    #[inline]
+    pub(crate) fn rank(&self, piece: &[u8]) -> Option<u32> {
+        let mut i = hash_piece(piece) as usize & self.mask;
+        loop {
+            let r = *self.table.get(i)?;
+            if r == EMPTY {
+                return None;
+            }
+            if self.token(r) == piece {
+                return Some(r);
+            }
+            i = (i + 1) & self.mask;
+        }
+    }
+
+    fn rank_or_max(&self, piece: &[u8]) -> u32 {
+        self.rank(piece).unwrap_or(EMPTY)
+    }
+
+    /// Tokens `piece` encodes to (tiktoken's merge rule; a token counts 1).
+    pub(crate) fn count(&self, piece: &[u8]) -> usize {
+        if piece.is_empty() {
+            return 0;
+        }
+        if self.rank(piece).is_some() {
+            return 1;
+        }
+        if piece.len() <= SHORT {
+            self.count_short(piece)
+        } else {
+            self.count_long(piece)
+        }
+    }
+
+    /// tiktoken's `byte_pair_merge`, on the stack: `parts[i]` is (start of part i, rank of
+    /// merging parts i and i+1).
+    fn count_short(&self, piece: &[u8]) -> usize {
+        let n = piece.len();
+        let mut parts = [(0u32, EMPTY); SHORT + 1];
+        let mut len = n + 1;
+        for (i, p) in parts.iter_mut().enumerate().take(len) {
+            p.0 = i as u32;
+        }
+        let span = |parts: &[(u32, u32)], i: usize, j: usize| -> u32 {
+            match (parts.get(i), parts.get(j)) {
+                (Some(a), Some(b)) => piece
+                    .get(a.0 as usize..b.0 as usize)
+                    .map_or(EMPTY, |s| self.rank_or_max(s)),
+                _ => EMPTY,
+            }
+        };
+        for i in 0..len.saturating_sub(2) {
+            parts[i].1 = span(&parts, i, i + 2);
+        }
+        loop {
+            let live = &parts[..len.saturating_sub(1)];
+            let Some((i, &(_, r))) = live.iter().enumerate().min_by_key(|(i, (_, r))| (*r, *i))
+            else {
+                break;
+            };
+            if r == EMPTY {
+                break;
+            }
+            if i > 0 {
+                parts[i - 1].1 = if i + 2 < len {
+                    span(&parts, i - 1, i + 2)
+                } else {
+                    EMPTY
+                };
+            }
+            parts[i].1 = if i + 3 < len {
+                span(&parts, i, i + 3)
+            } else {
+                EMPTY
+            };
+            parts.copy_within(i + 2..len, i + 1);
+            len -= 1;
+        }
+        len - 1
+    }
+
+    /// The same merges with a heap of candidate pairs: O(n log n) for long pieces.
+    fn count_long(&self, piece: &[u8]) -> usize {
+        let n = piece.len();
+        // Parts as a doubly linked list over byte positions; `end[i]` is where part i ends.
+        let mut end: Vec<usize> = (1..=n).collect();
+        let mut prev: Vec<usize> = (0..n).map(|i| i.wrapping_sub(1)).collect();
+        let mut alive = vec![true; n];
+        let mut heap = BinaryHeap::with_capacity(n);
+        let push = |heap: &mut BinaryHeap<_>, end: &[usize], i: usize| {
+            let Some(&mid) = end.get(i) else { return };
+            let Some(&stop) = end.get(mid) else { return };
+            let r = piece.get(i..stop).map_or(EMPTY, |s| self.rank_or_max(s));
+            if r != EMPTY {
+                heap.push(Reverse((r, i, stop)));
+            }
+        };
+        for i in 0..n {
+            push(&mut heap, &end, i);
+        }
+        let mut parts = n;
+        while let Some(Reverse((_, i, stop))) = heap.pop() {
+            // Stale unless part i is alive and still spans, with its neighbour, to `stop`.
+            let mid = end[i];
+            if !alive[i] || end.get(mid) != Some(&stop) {
+                continue;
+            }
+            alive[mid] = false;
+            end[i] = stop;
+            if let Some(p) = prev.get_mut(stop) {
+                *p = i;
+            }
+            parts -= 1;
+            push(&mut heap, &end, i);
+            if let Some(&p) = prev.get(i) {
+                if p != usize::MAX {
+                    push(&mut heap, &end, p);
+                }
+            }
+        }
+        parts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::Tokenizer;
+
+    fn lib_piece(tok: Tokenizer, piece: &[u8]) -> usize {
+        let lib = if tok == Tokenizer::O200k {
+            bpe_openai::o200k_base()
+        } else {
+            bpe_openai::cl100k_base()
+        };
+        lib.bpe.count(piece)
+    }
+
+    fn ours(tok: Tokenizer) -> &'static Ranks {
+        match super::super::count::ranks_for(tok) {
+            Some(r) => r,
+            None => panic!("no ranks for {tok:?}"),
+        }
+    }
+
+    #[test]
+    fn ranks_are_the_library_token_ids() {
+        for tok in [Tokenizer::O200k, Tokenizer::Cl100k] {
+            let lib = if tok == Tokenizer::O200k {
+                bpe_openai::o200k_base()
+            } else {
+                bpe_openai::cl100k_base()
+            };
+            let r = ours(tok);
+            assert_eq!(r.len(), lib.bpe.num_tokens());
+            for id in (0..r.len() as u32)
+                .step_by(97)
+                .chain([0, r.len() as u32 - 1])
+            {
+                assert_eq!(r.token(id), lib.bpe.token_bytes(id));
+                assert_eq!(r.rank(lib.bpe.token_bytes(id)), Some(id));
+            }
+            assert_eq!(r.rank(b"\xFF\xFEnot a token at all"), None);
+        }
+    }
+
+    #[test]
+    fn merge_counts_equal_the_library_short_and_long() {
+        let mut s: u64 = 0x2545_F491_4F6C_DD1D;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        const BYTES: &[u8] = b"aeiou tnrsl-=_.0123456789xyzQ\xC3\xA9\x80";
+        for tok in [Tokenizer::O200k, Tokenizer::Cl100k] {
+            let r = ours(tok);
+            for i in 0..4000 {
+                let len = 2 + (next() % if i % 10 == 0 { 300 } else { 40 }) as usize;
+                let piece: Vec<u8> = (0..len)
+                    .map(|_| BYTES[(next() % BYTES.len() as u64) as usize])
+                    .collect();
+                let want = lib_piece(tok, &piece);
+                assert_eq!(r.count(&piece), want, "{tok:?} {piece:?}");
+                if piece.len() > 1 && r.rank(&piece).is_none() {
+                    assert_eq!(r.count_long(&piece), want, "heap path {tok:?} {piece:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_huge_piece_is_counted_in_n_log_n() {
+        let r = ours(Tokenizer::O200k);
+        let piece = "ab1-".repeat(50_000);
+        let start = std::time::Instant::now();
+        let n = r.count(piece.as_bytes());
+        assert_eq!(n, lib_piece(Tokenizer::O200k, piece.as_bytes()));
+        // The quadratic scan would take tens of seconds here.
+        assert!(start.elapsed() < std::time::Duration::from_secs(5));
+    }
+}
