@@ -174,6 +174,7 @@ pub struct RawRoute {
     pub model: Option<Text>,
     pub chain: Option<Vec<RawChainEntry>>,
     pub static_response: Option<String>,
+    pub default_max_output_tokens: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -181,6 +182,7 @@ pub struct RawRoute {
 pub struct RawChainEntry {
     pub backend: Option<Text>,
     pub model: Option<Text>,
+    pub output_cap_field: Option<String>,
 }
 
 /// An entry of `rate_limits` or `quotas`.
