@@ -426,3 +426,116 @@ fn readme_and_docs_link_only_inside_the_repository() {
         }
     }
 }
+
+/// A one-answer-per-connection OpenAI mock: every request body it receives is sent back
+/// over the channel; every answer is a small chat completion with usage.
+fn mock_openai() -> (String, mpsc::Receiver<serde_json::Value>) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr").to_string();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(mut c) = conn else { break };
+            c.set_read_timeout(Some(Duration::from_secs(10))).ok();
+            let mut buf = Vec::new();
+            let mut chunk = [0u8; 4096];
+            let body = loop {
+                let n = match c.read(&mut chunk) {
+                    Ok(0) | Err(_) => break None,
+                    Ok(n) => n,
+                };
+                buf.extend_from_slice(&chunk[..n]);
+                let text = String::from_utf8_lossy(&buf).to_string();
+                let Some((head, rest)) = text.split_once("\r\n\r\n") else {
+                    continue;
+                };
+                let len = head
+                    .lines()
+                    .find_map(|l| {
+                        let (k, v) = l.split_once(':')?;
+                        k.eq_ignore_ascii_case("content-length")
+                            .then(|| v.trim().parse::<usize>().ok())?
+                    })
+                    .unwrap_or(0);
+                if rest.len() >= len {
+                    break Some(rest[..len].to_owned());
+                }
+            };
+            let Some(body) = body else { continue };
+            if let Ok(v) = serde_json::from_str(&body) {
+                let _ = tx.send(v);
+            }
+            let answer = r#"{"id":"x","object":"chat.completion","created":0,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}"#;
+            let _ = write!(
+                c,
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{answer}",
+                answer.len()
+            );
+        }
+    });
+    (addr, rx)
+}
+
+/// Item 8: the output cap tollgate sends is announced, the route's default applies, and
+/// OpenAI-kind backends get it in the field the model accepts.
+#[test]
+fn the_output_cap_is_announced_and_sent_in_the_field_the_model_takes() {
+    let (up, bodies) = mock_openai();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let policy = dir.path().join("policy.yaml");
+    std::fs::write(
+        &policy,
+        format!(
+            "version: caps
+backends:
+  - {{id: up, kind: openai, base_url: 'http://{up}/v1'}}
+routes:
+  - model: reason
+    default_max_output_tokens: 300
+    chain: [{{backend: up, model: o3-mini}}]
+  - model: chat
+    chain: [{{backend: up, model: my-model, output_cap_field: max_completion_tokens}}]
+state: {{backend: memory}}
+audit: {{sink: off}}
+"
+        ),
+    )
+    .expect("write policy");
+    let s = Sidecar::start(
+        dir.path(),
+        &[("TOLLGATE_POLICY", policy.to_str().expect("utf-8 path"))],
+    );
+    let ask = |model: &str, cap: &str| {
+        let body =
+            format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"hi"}}]{cap}}}"#);
+        let (status, head, text) = http(&s.addr, "POST", "/v1/chat/completions", Some(&body));
+        assert_eq!(status, 200, "{head}\n{text}");
+        let sent = bodies
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the upstream got the call");
+        let cap = head
+            .lines()
+            .find_map(|l| l.strip_prefix("x-tollgate-output-cap: "))
+            .map(str::to_owned);
+        (cap, sent)
+    };
+
+    // No cap from the client: the route's default, said to be injected; an o-series model
+    // gets max_completion_tokens (it rejects max_tokens).
+    let (cap, sent) = ask("reason", "");
+    assert_eq!(cap.as_deref(), Some("300; injected"));
+    assert_eq!(sent["max_completion_tokens"], 300, "{sent}");
+    assert!(sent.get("max_tokens").is_none(), "{sent}");
+    assert_eq!(sent["model"], "o3-mini");
+    // The client's own cap, sent in the field the chain entry names.
+    let (cap, sent) = ask("chat", r#","max_tokens":50"#);
+    assert_eq!(cap.as_deref(), Some("50"));
+    assert_eq!(sent["max_completion_tokens"], 50, "{sent}");
+    assert!(sent.get("max_tokens").is_none(), "{sent}");
+    // No route default: the policy's (1024).
+    let (cap, sent) = ask("chat", "");
+    assert_eq!(cap.as_deref(), Some("1024; injected"));
+    assert_eq!(sent["max_completion_tokens"], 1024, "{sent}");
+    let (st, _) = s.stop();
+    assert!(st.success());
+}
