@@ -187,7 +187,7 @@ pub async fn serve(args: &ServeArgs) -> u8 {
     let path = args.policy.as_deref();
     let snap = match load_policy(path)
         .map_err(|e| e.to_string())
-        .and_then(|p| crate::proxy::snapshot::Snapshot::build(p))
+        .and_then(crate::proxy::snapshot::Snapshot::build)
     {
         Ok(s) => s,
         Err(e) => {

@@ -119,7 +119,7 @@ impl Sidecar {
                 while let Ok(l) = self.lines.recv_timeout(Duration::from_millis(200)) {
                     self.seen.push(l);
                 }
-                return (st, self.seen);
+                return (st, std::mem::take(&mut self.seen));
             }
             if Instant::now() > deadline {
                 let _ = self.child.kill();

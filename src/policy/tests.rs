@@ -299,7 +299,10 @@ routes:
         "{shown:#?}"
     );
     assert!(
-        shown.contains(&"p.yaml:6: routes[0].chain[0].backend: no backend with id `z`".to_owned()),
+        shown.contains(
+            &"p.yaml:6: routes[0].chain[0].backend: no backend with id `z` (backends: a)"
+                .to_owned()
+        ),
         "{shown:#?}"
     );
     assert_eq!(errs.len(), 3);
@@ -507,7 +510,7 @@ fn directory_merge_with_configmap_layout() {
         .expect("link");
     let e = load(root.path()).expect_err("dangling");
     let want = format!(
-        "{}:4: routes[0].chain[0].backend: no backend with id `zz`",
+        "{}:4: routes[0].chain[0].backend: no backend with id `zz` (backends: a, b)",
         root.path().join("50-route.yaml").display()
     );
     assert_eq!(e.to_string(), want);
