@@ -79,6 +79,7 @@ fn requests(c: &mut Criterion) {
                     body: &b,
                     model: "m",
                     max_output_tokens: 256,
+                    output_cap_field: None,
                     stream: false,
                     add_include_usage: false,
                 })

@@ -262,6 +262,12 @@ def check_operator(path, d):
                         err(f"{where}: {ident}: severity must be info, warning or critical")
 
 
+def pod_containers(dep):
+    """The containers of a Deployment's pod, native sidecars (init containers) included."""
+    pod = dep["spec"]["template"]["spec"]
+    return pod["containers"] + pod.get("initContainers", [])
+
+
 def check_references(name, objects, cms, secret_keys):
     """What a cluster would reject or silently get wrong: selectors that select nothing,
     probes on ports that do not exist, volumes naming ConfigMaps nobody generates."""
@@ -280,7 +286,7 @@ def check_references(name, objects, cms, secret_keys):
                     c["metadata"]["name"] == v["configMap"]["name"] for c in by_kind.get("ConfigMap", [])):
                 err(f"{name}: volume {v['name']} names ConfigMap {v['configMap']['name']}, which nothing creates")
         vol_names = {v["name"] for v in pod.get("volumes", [])}
-        for c in pod["containers"]:
+        for c in pod_containers(dep):
             ports = {p.get("name") for p in c.get("ports", [])}
             for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
                 port = (c.get(probe) or {}).get("httpGet", {}).get("port")
@@ -303,7 +309,7 @@ def check_references(name, objects, cms, secret_keys):
             tp = p.get("targetPort")
             if isinstance(tp, str) and matched and not any(
                     cp.get("name") == tp for d in matched
-                    for c in d["spec"]["template"]["spec"]["containers"] for cp in c.get("ports", [])):
+                    for c in pod_containers(d) for cp in c.get("ports", [])):
                 err(f"{name}: Service {svc['metadata']['name']} targetPort {tp} is no container port")
     for sm in by_kind.get("ServiceMonitor", []):
         sel = sm["spec"]["selector"]["matchLabels"]
@@ -319,6 +325,35 @@ def check_references(name, objects, cms, secret_keys):
             err(f"{name}: the alert rules select job=\"tollgate\"; Service label {job_label} must be tollgate")
 
 
+def check_sidecar(name, objects):
+    """tollgate runs as a native sidecar (an init container with restartPolicy Always and a
+    startupProbe: listening before the app's first call) and is configured through the
+    variables the binary reads (TOLLGATE_LOG, not RUST_LOG)."""
+    found = False
+    for _, d in objects:
+        if d.get("kind") != "Deployment":
+            continue
+        pod = d["spec"]["template"]["spec"]
+        for c in pod["containers"]:
+            if c["name"] == "tollgate":
+                err(f"{name}: tollgate is an ordinary container: make it a native sidecar (initContainers, restartPolicy: Always)")
+        for c in pod.get("initContainers", []):
+            if c["name"] != "tollgate":
+                continue
+            found = True
+            if c.get("restartPolicy") != "Always":
+                err(f"{name}: the tollgate init container needs restartPolicy: Always (a native sidecar)")
+            if not c.get("startupProbe"):
+                err(f"{name}: the tollgate sidecar needs a startupProbe (the app starts once it passes)")
+            env = {e["name"] for e in c.get("env", [])}
+            if "RUST_LOG" in env:
+                err(f"{name}: tollgate reads TOLLGATE_LOG, not RUST_LOG")
+            if "TOLLGATE_LOG" not in env:
+                err(f"{name}: the tollgate sidecar sets no TOLLGATE_LOG")
+    if not found:
+        err(f"{name}: no tollgate sidecar in any Deployment")
+
+
 def manifests():
     seen, k8s_objects = set(), {}
     secret_keys = {}
@@ -330,6 +365,7 @@ def manifests():
             if d.get("kind") == "Secret":
                 secret_keys[d["metadata"]["name"]] = set(d.get("stringData", {})) | set(d.get("data", {}))
     roots = [os.path.join(K8S, "base"), os.path.join(K8S, "monitoring")] + overlays()
+    plain, monitored = [], []
     for root in roots:
         objects, cms = render(root, seen)
         for p, d in objects:
@@ -338,6 +374,21 @@ def manifests():
                 check_operator(p, d)
         if root.startswith(os.path.join(K8S, "overlays")):
             check_references(rel(root), objects, cms, secret_keys)
+            check_sidecar(rel(root), objects)
+            kinds = {d.get("kind") for _, d in objects} & OPERATOR_KINDS
+            if os.path.basename(root) == "monitoring":
+                monitored.append(rel(root))
+                if kinds != OPERATOR_KINDS:
+                    err(f"{rel(root)}: the monitoring overlay lacks {sorted(OPERATOR_KINDS - kinds)}")
+            elif kinds:
+                # Applied to a cluster without the Prometheus Operator CRDs, these fail.
+                err(f"{rel(root)}: renders {sorted(kinds)}: only overlays/monitoring may")
+            else:
+                plain.append(rel(root))
+    if not plain or not monitored:
+        err(f"need overlays with and without monitoring kinds; without: {plain}, with: {monitored}")
+    print(f"overlays without Prometheus Operator kinds: {', '.join(plain)}; with: {', '.join(monitored)}",
+          file=sys.stderr)
     for dirpath, _, files in os.walk(K8S):
         for f in files:
             p = os.path.normpath(os.path.join(dirpath, f))

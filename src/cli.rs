@@ -23,16 +23,24 @@ pub struct Cli {
     pub command: Command,
 }
 
+/// The default policy, compiled in: `serve` runs it when no policy is given, and
+/// `check --print-default` prints it for copying.
+pub const DEFAULT_POLICY: &str = include_str!("../policies/default.yaml");
+/// How the embedded default is named in errors, the summary and `/admin/status`.
+pub const DEFAULT_POLICY_NAME: &str = "(embedded default policy)";
+
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the sidecar.
-    Serve {
-        /// Policy file or directory.
-        #[arg(long, env = "TOLLGATE_POLICY", default_value = "policies/default.yaml")]
-        policy: PathBuf,
-    },
+    Serve(ServeArgs),
     /// Validate a policy (file or directory) and print a summary.
-    Check { policy: PathBuf },
+    Check {
+        /// Policy file or directory (default: the embedded default policy).
+        policy: Option<PathBuf>,
+        /// Print the embedded default policy (YAML) and exit.
+        #[arg(long, conflicts_with = "policy")]
+        print_default: bool,
+    },
     /// Run policy scenario files through the decision core.
     Test {
         #[arg(required = true)]
@@ -46,14 +54,39 @@ pub enum Command {
 }
 
 #[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// Policy file or directory (default: the embedded default policy).
+    #[arg(long, env = "TOLLGATE_POLICY")]
+    pub policy: Option<PathBuf>,
+    /// Data port address, instead of the policy's server.listen (a container: 0.0.0.0:8787).
+    #[arg(long, env = "TOLLGATE_LISTEN")]
+    pub listen: Option<std::net::SocketAddr>,
+    /// Admin port address, instead of the policy's server.admin_listen.
+    #[arg(long, env = "TOLLGATE_ADMIN_LISTEN")]
+    pub admin_listen: Option<std::net::SocketAddr>,
+    /// Log lines as text (coloured only on a terminal) or json (one object per line).
+    #[arg(long, env = "TOLLGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, clap::Args)]
 pub struct UsageArgs {
     /// Policy file or directory: gives the timezone, and the log's location unless
-    /// --db/--postgres is given.
-    #[arg(long, env = "TOLLGATE_POLICY", default_value = "policies/default.yaml")]
-    pub policy: PathBuf,
+    /// --db/--postgres/--jsonl is given (default: the embedded default policy).
+    #[arg(long, env = "TOLLGATE_POLICY")]
+    pub policy: Option<PathBuf>,
     /// Read this SQLite file (default: the policy's state.path).
-    #[arg(long, conflicts_with = "postgres")]
+    #[arg(long, conflicts_with_all = ["postgres", "jsonl"])]
     pub db: Option<PathBuf>,
+    /// Read this JSONL audit file (default: the policy's audit.path when audit.sink is jsonl).
+    #[arg(long, conflicts_with = "postgres")]
+    pub jsonl: Option<PathBuf>,
     /// Read Postgres at this URL (default: the policy's audit.postgres_url when audit.sink is
     /// postgres). From the environment, a password stays out of `ps` and shell history.
     #[arg(long, env = "TOLLGATE_USAGE_POSTGRES_URL", hide_env_values = true)]
@@ -66,11 +99,26 @@ pub struct UsageArgs {
     pub json: bool,
 }
 
-pub fn check(path: &std::path::Path) -> u8 {
-    match policy::load(path) {
+/// The policy at `path`, or the embedded default when there is none.
+pub fn load_policy(path: Option<&std::path::Path>) -> Result<policy::Policy, policy::PolicyErrors> {
+    match path {
+        Some(p) => policy::load(p),
+        None => policy::from_str(DEFAULT_POLICY, DEFAULT_POLICY_NAME),
+    }
+}
+
+pub fn check(path: Option<&std::path::Path>, print_default: bool) -> u8 {
+    if print_default {
+        use std::io::Write;
+        let _ = std::io::stdout()
+            .lock()
+            .write_all(DEFAULT_POLICY.as_bytes());
+        return EXIT_OK;
+    }
+    match load_policy(path) {
         Ok(p) => {
             println!("{}", policy::summary(&p));
-            println!("ok: {}", path.display());
+            println!("ok: {}", p.source);
             EXIT_OK
         }
         Err(e) => {
@@ -133,16 +181,26 @@ fn json_line(r: &ScenarioResult) -> serde_json::Value {
 }
 
 /// `serve`: run the sidecar until SIGTERM/SIGINT; SIGHUP, a change on disk and
-/// `POST /admin/reload` reload the policy.
-pub async fn serve(path: &std::path::Path) -> u8 {
-    init_tracing();
-    let snap = match crate::proxy::snapshot::load(path) {
+/// `POST /admin/reload` reload the policy (not the embedded default: it has no file).
+pub async fn serve(args: &ServeArgs) -> u8 {
+    init_tracing(args.log_format);
+    let path = args.policy.as_deref();
+    let snap = match load_policy(path)
+        .map_err(|e| e.to_string())
+        .and_then(crate::proxy::snapshot::Snapshot::build)
+    {
         Ok(s) => s,
         Err(e) => {
             eprintln!("{e}");
             return EXIT_INVALID;
         }
     };
+    if path.is_none() {
+        tracing::info!(
+            "no --policy and no $TOLLGATE_POLICY: serving the embedded default policy \
+             (`tollgate check --print-default` prints it)"
+        );
+    }
     crate::estimate::warm_up_for(snap.policy.estimate.tokenizer);
     let state = match crate::proxy::persist::State::open(&snap.policy) {
         Ok(s) => s,
@@ -159,7 +217,10 @@ pub async fn serve(path: &std::path::Path) -> u8 {
         }
     };
     let version = snap.policy.version.clone();
-    let opts = crate::proxy::Options::default();
+    let opts = crate::proxy::Options {
+        listen: args.listen,
+        admin_listen: args.admin_listen,
+    };
     let mut running =
         match crate::proxy::start_with(snap, audit, opts, state.governor.clone()).await {
             Ok(r) => r,
@@ -170,7 +231,9 @@ pub async fn serve(path: &std::path::Path) -> u8 {
             }
         };
     tracing::info!(addr = %running.addr, admin = %running.admin_addr, %version, "tollgate serving");
-    running.watch_policy(path.to_path_buf());
+    if let Some(p) = path {
+        running.watch_policy(p.to_path_buf());
+    }
     if let Some(store) = state.redis.clone() {
         running.ops.set_state_check(std::sync::Arc::new(move || {
             let store = store.clone();
@@ -190,13 +253,25 @@ pub async fn serve(path: &std::path::Path) -> u8 {
     EXIT_OK
 }
 
-fn init_tracing() {
+/// Logs go to stdout: coloured text only when stdout is a terminal (a cluster's log
+/// collector gets plain lines), or one JSON object per line.
+fn init_tracing(format: LogFormat) {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_env("TOLLGATE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_target(false)
-        .try_init();
+        .with_target(false);
+    let _ = match format {
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .try_init(),
+        LogFormat::Text => builder
+            .with_ansi(std::io::stdout().is_terminal())
+            .try_init(),
+    };
 }
 
 fn start_audit(
@@ -233,7 +308,8 @@ fn start_audit(
 /// Exit 0 printed, 1 the log cannot be read, 2 bad policy or arguments.
 pub async fn usage(args: &UsageArgs) -> u8 {
     use crate::audit::report;
-    let p = match policy::load(&args.policy) {
+    use crate::policy::AuditSink;
+    let p = match load_policy(args.policy.as_deref()) {
         Ok(p) => p,
         Err(e) => {
             eprintln!("{e}");
@@ -249,13 +325,25 @@ pub async fn usage(args: &UsageArgs) -> u8 {
     let tz_name = &p.windows.timezone_name;
     let now = jiff::Timestamp::now();
     let pg = args.postgres.clone().or_else(|| {
-        (args.db.is_none() && p.audit.sink == crate::policy::AuditSink::Postgres)
+        (args.db.is_none() && args.jsonl.is_none() && p.audit.sink == AuditSink::Postgres)
             .then(|| p.audit.postgres_url.clone())
             .flatten()
     });
-    let res = match pg {
-        Some(url) => report::from_postgres(&url, table, tz_name, tz, now).await,
-        None => {
+    let res = match (pg, &args.jsonl) {
+        (Some(url), _) => report::from_postgres(&url, table, tz_name, tz, now).await,
+        (None, Some(file)) => jsonl_report(file, tz_name, tz, now),
+        (None, None) if args.db.is_none() && p.audit.sink == AuditSink::Jsonl => {
+            jsonl_report(std::path::Path::new(&p.audit.path), tz_name, tz, now)
+        }
+        (None, None) if args.db.is_none() && p.audit.sink == AuditSink::Off => {
+            eprintln!(
+                "usage: {}: audit.sink is off, so nothing was logged; set audit.sink to \
+                 jsonl, sqlite or postgres",
+                p.source
+            );
+            return EXIT_FAILURE;
+        }
+        (None, None) => {
             let db = args
                 .db
                 .clone()
@@ -281,6 +369,23 @@ pub async fn usage(args: &UsageArgs) -> u8 {
     use std::io::Write;
     let _ = std::io::stdout().lock().write_all(text.as_bytes());
     EXIT_OK
+}
+
+/// The JSONL audit as a usage report; torn lines are skipped with a note on stderr.
+fn jsonl_report(
+    file: &std::path::Path,
+    tz_name: &str,
+    tz: &jiff::tz::TimeZone,
+    now: jiff::Timestamp,
+) -> Result<crate::audit::report::Report, String> {
+    let (r, skipped) = crate::audit::report::from_jsonl(file, tz_name, tz, now)?;
+    if skipped > 0 {
+        eprintln!(
+            "usage: {}: skipped {skipped} line(s) that are not audit records",
+            file.display()
+        );
+    }
+    Ok(r)
 }
 
 #[cfg(unix)]

@@ -27,8 +27,11 @@ fn main() -> ExitCode {
         }
     };
     let code = match args.command {
-        Command::Serve { policy } => rt.block_on(cli::serve(&policy)),
-        Command::Check { policy } => cli::check(&policy),
+        Command::Serve(args) => rt.block_on(cli::serve(&args)),
+        Command::Check {
+            policy,
+            print_default,
+        } => cli::check(policy.as_deref(), print_default),
         Command::Test { files, json } => rt.block_on(cli::test(&files, json)),
         Command::Usage(args) => rt.block_on(cli::usage(&args)),
     };

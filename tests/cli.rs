@@ -133,6 +133,8 @@ fn check_names_a_dangling_backend_and_its_line() {
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("gemnii"), "{err}");
+    // The ids that do exist, so the typo is obvious.
+    assert!(err.contains("(backends: primary)"), "{err}");
     assert!(err.contains("routes[0].chain[1].backend"), "{err}");
     assert!(
         err.contains(":10:") || err.contains("line 10"),
@@ -154,4 +156,53 @@ fn check_accepts_the_default_policy_and_summarises_it() {
     );
     let s = String::from_utf8_lossy(&out.stdout);
     assert!(s.contains("chat: ollama/llama3.1:8b -> gemini/gemini-2.0-flash -> claude/claude-3-5-haiku-latest -> static"), "{s}");
+}
+
+#[test]
+fn check_says_tabs_are_not_allowed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let p = dir.path().join("tabs.yaml");
+    std::fs::write(
+        &p,
+        "version: v\nbackends:\n\t- {id: a, kind: openai, base_url: 'http://a'}\n",
+    )
+    .expect("write");
+    let out = bin().arg("check").arg(&p).output().expect("run");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("tabs are not allowed"), "{err}");
+    assert!(err.contains("tabs.yaml:3"), "{err}");
+}
+
+#[test]
+fn usage_with_the_audit_off_names_the_setting_to_change() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let p = dir.path().join("p.yaml");
+    std::fs::write(&p, "version: v\naudit: {sink: off}\n").expect("write");
+    let out = bin()
+        .args(["usage", "--policy"])
+        .arg(&p)
+        .current_dir(dir.path())
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("audit.sink is off"), "{err}");
+    assert!(
+        err.contains("set audit.sink to jsonl, sqlite or postgres"),
+        "{err}"
+    );
+}
+
+#[test]
+fn usage_of_a_missing_jsonl_audit_names_the_file() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = bin()
+        .args(["usage", "--jsonl", "never-written.jsonl"])
+        .current_dir(dir.path())
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(1), "a missing file cannot be read");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("never-written.jsonl"), "{err}");
 }

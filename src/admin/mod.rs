@@ -201,7 +201,7 @@ pub async fn handle(
 ) -> Result<Response<Body>, Infallible> {
     Ok(match (req.method(), req.uri().path()) {
         (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
-        (&Method::GET, "/readyz") => readyz(&ops).await,
+        (&Method::GET, "/readyz") => readyz(&app, &ops).await,
         (&Method::GET, "/metrics") => {
             status::set_gauges(&app, &ops);
             with_type(
@@ -246,15 +246,28 @@ pub async fn handle(
     })
 }
 
-async fn readyz(ops: &Ops) -> Response<Body> {
+async fn readyz(app: &App, ops: &Ops) -> Response<Body> {
     // A valid policy is loaded by construction (start refuses an invalid one; a reload never
-    // replaces it with one), so readiness is the state store's answer.
+    // replaces it with one), so readiness is the state store's answer. Backends without their
+    // key do not make the sidecar unready (the static answer is a valid service), but the
+    // answer names them.
+    let ready = || {
+        let unusable = status::unusable(&app.snap.load());
+        if unusable.is_empty() {
+            text(StatusCode::OK, "ready\n")
+        } else {
+            text(
+                StatusCode::OK,
+                format!("ready\nunusable backends: {}\n", unusable.join("; ")),
+            )
+        }
+    };
     let check = ops.state_check.load_full();
     let Some(check) = check else {
-        return text(StatusCode::OK, "ready\n");
+        return ready();
     };
     match tokio::time::timeout(READY_TIMEOUT, (*check)()).await {
-        Ok(Ok(())) => text(StatusCode::OK, "ready\n"),
+        Ok(Ok(())) => ready(),
         Ok(Err(e)) => text(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("not ready: state store: {e}\n"),

@@ -142,6 +142,27 @@ pub fn set_gauges(app: &App, ops: &Ops) {
     }
 }
 
+/// Why the backend at `idx` cannot be called (`key $X unset`), or `None`.
+fn ineligible(snap: &crate::proxy::snapshot::Snapshot, idx: usize) -> Option<String> {
+    if snap.eligible(idx) {
+        return None;
+    }
+    let env = snap.policy.backends[idx]
+        .api_key_env
+        .as_deref()
+        .unwrap_or("?");
+    Some(format!("key ${env} unset"))
+}
+
+/// `id (key $X unset)` for every backend that cannot be called, for `/readyz`.
+pub fn unusable(snap: &crate::proxy::snapshot::Snapshot) -> Vec<String> {
+    (0..snap.policy.backends.len())
+        .filter_map(|i| {
+            ineligible(snap, i).map(|why| format!("{} ({why})", snap.policy.backends[i].id))
+        })
+        .collect()
+}
+
 fn ts(t: jiff::Timestamp) -> String {
     t.to_string()
 }
@@ -181,6 +202,7 @@ pub fn status(app: &App, ops: &Ops) -> Value {
             "id": &*b.id,
             "kind": b.kind.as_str(),
             "eligible": snap.eligible(idx),
+            "ineligible": ineligible(&snap, idx),
             "circuit": circuit.as_str(),
             "health": health(circuit, rate),
             "requests": all_ok + all_failed,

@@ -1,6 +1,7 @@
 //! `tollgate usage`: today's tokens and month-to-date cost per provider and per consumer,
-//! read back from the SQLite or Postgres usage log. "Today" and "this month" are calendar
-//! periods of `windows.timezone`, the same boundaries the quotas turn over at.
+//! read back from the SQLite or Postgres usage log, or from the JSONL audit. "Today" and
+//! "this month" are calendar periods of `windows.timezone`, the same boundaries the quotas
+//! turn over at.
 
 use super::row::format_utc;
 use crate::units::Window;
@@ -92,6 +93,73 @@ pub fn from_sqlite(
             .map_err(|e| e.to_string())
     };
     Ok(report(tz_name, day, by("provider")?, by("consumer")?))
+}
+
+/// Reads the JSONL audit at `path` (the default sink): every line is one decision record.
+/// Lines that are not records (a torn last line after a crash) are skipped and counted in the
+/// returned number.
+pub fn from_jsonl(
+    path: &Path,
+    tz_name: &str,
+    tz: &TimeZone,
+    now: Timestamp,
+) -> Result<(Report, usize), String> {
+    use std::collections::BTreeMap;
+    use std::io::BufRead;
+    #[derive(serde::Deserialize)]
+    struct Line {
+        ts: String,
+        backend: String,
+        consumer_id: String,
+        #[serde(default)]
+        actual_input_tokens: u64,
+        #[serde(default)]
+        actual_output_tokens: u64,
+        #[serde(default)]
+        cost_usd: f64,
+    }
+    let (day0, month0, day) = periods(now, tz)?;
+    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut by: [BTreeMap<String, Totals>; 2] = Default::default();
+    let mut skipped = 0usize;
+    for line in std::io::BufReader::new(file).lines() {
+        let line = line.map_err(|e| format!("{}: {e}", path.display()))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let parsed = serde_json::from_str::<Line>(&line)
+            .ok()
+            .and_then(|l| Some((l.ts.parse::<Timestamp>().ok()?, l)));
+        let Some((ts, l)) = parsed else {
+            skipped += 1;
+            continue;
+        };
+        if ts < month0 {
+            continue;
+        }
+        for (map, name) in by.iter_mut().zip([&l.backend, &l.consumer_id]) {
+            let t = map.entry(name.clone()).or_insert_with(|| Totals {
+                name: name.clone(),
+                requests_today: 0,
+                input_tokens_today: 0,
+                output_tokens_today: 0,
+                cost_usd_month: 0.0,
+            });
+            t.cost_usd_month += l.cost_usd;
+            if ts >= day0 {
+                let n = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+                t.requests_today = t.requests_today.saturating_add(1);
+                t.input_tokens_today = t
+                    .input_tokens_today
+                    .saturating_add(n(l.actual_input_tokens));
+                t.output_tokens_today = t
+                    .output_tokens_today
+                    .saturating_add(n(l.actual_output_tokens));
+            }
+        }
+    }
+    let [providers, consumers] = by.map(|m| m.into_values().collect::<Vec<_>>());
+    Ok((report(tz_name, day, providers, consumers), skipped))
 }
 
 /// Reads the Postgres usage log at `url`.
@@ -218,6 +286,45 @@ mod tests {
         let (d, m, _) = periods(now, &tz).expect("periods");
         assert_eq!(format_utc(d), "2026-11-14T16:00:00.000000Z");
         assert_eq!(format_utc(m), "2026-10-31T16:00:00.000000Z");
+    }
+
+    #[test]
+    fn jsonl_audit_is_summed_per_provider_and_consumer() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("audit.jsonl");
+        let line = |ts: &str, backend: &str, consumer: &str, i: u64, o: u64, c: f64| {
+            serde_json::json!({"ts": ts, "endpoint": "chat.completions", "backend": backend,
+                "consumer_id": consumer, "actual_input_tokens": i, "actual_output_tokens": o,
+                "cost_usd": c, "final_action": "ALLOW"})
+            .to_string()
+        };
+        let text = [
+            line("2026-11-30T10:00:00Z", "gemini", "alice", 10, 5, 0.25),
+            line("2026-11-30T11:00:00Z", "static", "bob", 0, 0, 0.0),
+            line("2026-11-29T23:00:00Z", "gemini", "alice", 100, 50, 0.5), // yesterday
+            line("2026-10-31T23:00:00Z", "gemini", "alice", 1, 1, 9.0),    // last month
+            "{\"ts\": \"2026-11-30T1".to_owned(),                          // a torn last line
+        ]
+        .join("\n");
+        std::fs::write(&path, text).expect("write");
+        let now: Timestamp = "2026-11-30T12:00:00Z".parse().expect("ts");
+        let (r, skipped) = from_jsonl(&path, "UTC", &TimeZone::UTC, now).expect("report");
+        assert_eq!(skipped, 1);
+        let g = &r.providers[0];
+        assert_eq!(
+            (
+                g.name.as_str(),
+                g.requests_today,
+                g.input_tokens_today,
+                g.output_tokens_today
+            ),
+            ("gemini", 1, 10, 5)
+        );
+        assert!((g.cost_usd_month - 0.75).abs() < 1e-9, "{g:?}");
+        assert_eq!(r.providers[1].name, "static");
+        let names: Vec<&str> = r.consumers.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["alice", "bob"]);
+        assert_eq!(r.day, "2026-11-30");
     }
 
     #[test]

@@ -101,7 +101,7 @@ impl Governor {
         // Output cap per choice: the client's, else the policy default.
         let mut per_choice = ctx
             .max_output_tokens
-            .unwrap_or(u64::from(policy.estimate.default_max_output_tokens));
+            .unwrap_or(u64::from(route.default_output_cap(&policy.estimate)));
         rec.requested_output_tokens = per_choice * n;
 
         // Soft bounds already crossed change behaviour for later requests (SPEC §5).
@@ -305,6 +305,7 @@ impl Governor {
                     backend,
                     backend_index: entry.backend,
                     model: &entry.model,
+                    output_cap_field: entry.output_cap_field,
                     max_output_tokens: entry_per_choice,
                     attempt: attempt_no,
                     probe: probe.is_some(),

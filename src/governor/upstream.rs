@@ -13,6 +13,8 @@ pub struct CallSpec<'a> {
     pub backend_index: usize,
     /// The chain entry's upstream model name.
     pub model: &'a str,
+    /// The chain entry's `output_cap_field` (OpenAI kind; `None`: by model name).
+    pub output_cap_field: Option<crate::policy::OutputCapField>,
     /// The output cap per choice the upstream must enforce (the reserved worst case).
     pub max_output_tokens: u64,
     /// 1-based attempt number within this request.

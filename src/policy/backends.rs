@@ -150,7 +150,12 @@ impl V<'_> {
         }
     }
 
-    pub(super) fn route(&mut self, it: &Item<RawRoute>, by_id: &HashMap<&str, usize>) -> Route {
+    pub(super) fn route(
+        &mut self,
+        it: &Item<RawRoute>,
+        by_id: &HashMap<&str, usize>,
+        kinds: &[BackendKind],
+    ) -> Route {
         let (f, r) = (it.file, &it.v);
         let p = |k: &str| format!("routes[{}].{k}", it.index);
         let model = self.required(f, p("model"), r.model.as_ref().map(|t| t.0.as_str()));
@@ -171,8 +176,23 @@ impl V<'_> {
             let backend = match by_id.get(bid.as_str()) {
                 Some(&b) => b,
                 None if bid.is_empty() => 0,
-                None => self.err(f, q("backend"), format!("no backend with id `{bid}`")),
+                None => self.err(f, q("backend"), no_backend(&bid, by_id)),
             };
+            let output_cap_field = e.output_cap_field.as_deref().and_then(|v| {
+                let field = self.one_of(f, &q("output_cap_field"), v, &CAP_FIELDS);
+                let kind = kinds.get(backend).copied();
+                if field.is_some() && kind.is_some_and(|k| k != BackendKind::Openai) {
+                    self.err::<()>(
+                        f,
+                        q("output_cap_field"),
+                        format!(
+                            "applies to `kind: openai` backends only (`{bid}` is `{}`)",
+                            kind.map_or("?", |k| k.as_str())
+                        ),
+                    );
+                }
+                field
+            });
             if let Some(first) = seen.insert((bid.clone(), m.clone()), i) {
                 self.err::<()>(
                     f,
@@ -188,6 +208,7 @@ impl V<'_> {
                 backend,
                 model: m.into(),
                 price,
+                output_cap_field,
             });
         }
         let static_response = match r.static_response.as_deref() {
@@ -198,11 +219,31 @@ impl V<'_> {
             ),
             other => other.map(Arc::from),
         };
+        let default_max_output_tokens = r
+            .default_max_output_tokens
+            .map(|n| self.nonzero(f, p("default_max_output_tokens"), Some(&n), n));
         Route {
             model: model.into(),
             chain,
             static_response,
+            default_max_output_tokens,
         }
+    }
+}
+
+const CAP_FIELDS: [(&str, OutputCapField); 2] = [
+    ("max_tokens", OutputCapField::MaxTokens),
+    ("max_completion_tokens", OutputCapField::MaxCompletionTokens),
+];
+
+/// `no backend with id `x`` plus the ids that exist, so a typo is spotted at once.
+pub(super) fn no_backend(id: &str, by_id: &HashMap<&str, usize>) -> String {
+    let mut ids: Vec<&str> = by_id.keys().copied().collect();
+    ids.sort_unstable();
+    if ids.is_empty() {
+        format!("no backend with id `{id}` (no backends are defined)")
+    } else {
+        format!("no backend with id `{id}` (backends: {})", ids.join(", "))
     }
 }
 

@@ -96,7 +96,11 @@ impl V<'_> {
             pat if pat.contains('*') => Match::Glob(pat.into()),
             id => {
                 if scope == Some(Scope::Backend) && !known.backends.contains_key(id) {
-                    self.err::<()>(f, p("match"), format!("no backend with id `{id}`"));
+                    self.err::<()>(
+                        f,
+                        p("match"),
+                        super::backends::no_backend(id, known.backends),
+                    );
                 } else if scope == Some(Scope::Model) && !known.models.contains(id) {
                     self.err::<()>(
                         f,

@@ -126,8 +126,18 @@ pub fn backend_eligible(b: &Backend) -> bool {
     }
 }
 
+/// Why a backend cannot be called (`key $X unset`), or `None` when it can: the same rule as
+/// [`backend_eligible`], worded for `tollgate check`, the log and `/admin/status`.
+pub fn ineligible_reason(b: &Backend) -> Option<String> {
+    if backend_eligible(b) {
+        return None;
+    }
+    b.api_key_env.as_deref().map(|k| format!("key ${k} unset"))
+}
+
 /// A short human-readable description of a policy, for `tollgate check` and the logs.
-/// Names key variables but never reads them.
+/// Names key variables and says whether they are set, but never prints their values (nor
+/// URLs, which may hold passwords).
 pub fn summary(p: &Policy) -> String {
     let mut s = String::new();
     let _ = writeln!(
@@ -157,8 +167,12 @@ pub fn summary(p: &Policy) -> String {
         if let Some(n) = b.max_in_flight {
             let _ = write!(s, ", max_in_flight {n}");
         }
+        if let Some(why) = ineligible_reason(b) {
+            let _ = write!(s, " (ineligible: {why})");
+        }
         s.push('\n');
     }
+    identity_state_audit(&mut s, p);
     let _ = writeln!(s, "routes:");
     for r in &p.routes {
         let mut hops: Vec<String> = r
@@ -214,6 +228,38 @@ pub fn summary(p: &Policy) -> String {
         p.fallback.max_amplification
     );
     s
+}
+
+fn identity_state_audit(s: &mut String, p: &Policy) {
+    let id = &p.identity;
+    let _ = write!(
+        s,
+        "identity: consumer header {}, job header {}, default consumer {}",
+        id.consumer_header, id.job_header, id.default_consumer
+    );
+    if id.virtual_keys.is_empty() {
+        s.push_str(", no virtual keys\n");
+    } else {
+        let keys: Vec<String> = id
+            .virtual_keys
+            .iter()
+            .map(|k| format!("{} (${})", k.consumer, k.key_env))
+            .collect();
+        let _ = writeln!(s, ", virtual keys: {}", keys.join(", "));
+    }
+    let st = &p.state;
+    let _ = match st.backend {
+        StateBackend::Memory => writeln!(s, "state: memory (counters lost on restart)"),
+        StateBackend::Sqlite => writeln!(s, "state: sqlite {}", st.path),
+        StateBackend::Redis => writeln!(s, "state: redis, namespace {}", st.namespace),
+    };
+    let a = &p.audit;
+    let _ = match a.sink {
+        AuditSink::Off => writeln!(s, "audit: off"),
+        AuditSink::Jsonl => writeln!(s, "audit: jsonl {}", a.path),
+        AuditSink::Sqlite => writeln!(s, "audit: sqlite {} table {}", st.path, a.table),
+        AuditSink::Postgres => writeln!(s, "audit: postgres table {}", a.table),
+    };
 }
 
 fn limits(s: &mut String, label: &str, l: &Limits) {

@@ -183,6 +183,7 @@ pub struct RawRoute {
     pub model: Option<Text>,
     pub chain: Option<Vec<RawChainEntry>>,
     pub static_response: Option<String>,
+    pub default_max_output_tokens: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -191,6 +192,7 @@ pub struct RawChainEntry {
     pub backend: Option<Text>,
     pub model: Option<Text>,
     pub price_per_1k: Option<RawPrice>,
+    pub output_cap_field: Option<String>,
 }
 
 /// An entry of `rate_limits` or `quotas`.

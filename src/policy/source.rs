@@ -159,8 +159,32 @@ pub(crate) fn parse_source(src: &Source) -> Result<RawPolicy, PolicyError> {
     let text = src.text.as_deref().unwrap_or("");
     match serde_norway::from_str::<Option<RawPolicy>>(text) {
         Ok(raw) => Ok(raw.unwrap_or_default()),
-        Err(e) => Err(src.yaml_error(&e, true)),
+        Err(e) => {
+            let mut err = src.yaml_error(&e, true);
+            if tab_at(text, err.line) {
+                err.message = "tabs are not allowed in YAML: indent with spaces".into();
+            }
+            Err(err)
+        }
     }
+}
+
+/// Whether a YAML error at `line` (1-based) is about a tab: libyaml's message ("found
+/// character that cannot start any token") does not say so. The error may be reported on
+/// the line after the tab, so both are looked at.
+fn tab_at(text: &str, line: Option<usize>) -> bool {
+    let Some(line) = line else { return false };
+    let tab_lead = |l: &str| {
+        l.chars()
+            .take_while(|c| c.is_whitespace())
+            .any(|c| c == '\t')
+            || l.contains(": \t")
+            || l.contains("-\t")
+    };
+    text.lines()
+        .skip(line.saturating_sub(2))
+        .take(2)
+        .any(tab_lead)
 }
 
 /// A section and the file that set it.

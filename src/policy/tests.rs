@@ -224,7 +224,7 @@ routes:
     assert_eq!(errs.len(), 1, "{errs:?}");
     assert_eq!(
         errs[0].to_string(),
-        "p.yaml:8: routes[0].chain[1].backend: no backend with id `nope`"
+        "p.yaml:8: routes[0].chain[1].backend: no backend with id `nope` (backends: a)"
     );
 }
 
@@ -302,7 +302,10 @@ routes:
         "{shown:#?}"
     );
     assert!(
-        shown.contains(&"p.yaml:6: routes[0].chain[0].backend: no backend with id `z`".to_owned()),
+        shown.contains(
+            &"p.yaml:6: routes[0].chain[0].backend: no backend with id `z` (backends: a)"
+                .to_owned()
+        ),
         "{shown:#?}"
     );
     assert_eq!(errs.len(), 3);
@@ -510,7 +513,7 @@ fn directory_merge_with_configmap_layout() {
         .expect("link");
     let e = load(root.path()).expect_err("dangling");
     let want = format!(
-        "{}:4: routes[0].chain[0].backend: no backend with id `zz`",
+        "{}:4: routes[0].chain[0].backend: no backend with id `zz` (backends: a, b)",
         root.path().join("50-route.yaml").display()
     );
     assert_eq!(e.to_string(), want);
@@ -564,4 +567,118 @@ fn only_regular_files_within_the_size_cap_are_read() {
     std::fs::write(&big, pad.repeat(4 * 1024 + 1)).unwrap();
     let e = super::load(&big).unwrap_err().to_string();
     assert!(e.contains("4194304-byte limit"), "{e}");
+}
+
+#[test]
+fn a_tab_in_the_indentation_is_named() {
+    let src = "version: v\nbackends:\n\t- {id: a, kind: openai, base_url: 'http://a'}\n";
+    let errs = errors(src);
+    assert!(
+        errs[0].message.contains("tabs are not allowed"),
+        "{}",
+        PolicyErrors(errs.clone())
+    );
+    assert_eq!(errs[0].line, Some(3), "{errs:?}");
+}
+
+#[test]
+fn output_cap_settings_per_route_and_chain_entry() {
+    let src = "version: v
+estimate: {default_max_output_tokens: 1024}
+backends:
+  - {id: oa, kind: openai, base_url: 'http://a'}
+routes:
+  - model: reason
+    default_max_output_tokens: 4096
+    chain: [{backend: oa, model: o3, output_cap_field: max_completion_tokens}]
+  - model: chat
+    chain: [{backend: oa, model: gpt-4o}]
+";
+    let p = from_str(src, "p.yaml").expect("valid");
+    let reason = p.route("reason").expect("route");
+    assert_eq!(reason.default_output_cap(&p.estimate), 4096);
+    assert_eq!(
+        reason.chain[0].output_cap_field,
+        Some(OutputCapField::MaxCompletionTokens)
+    );
+    let chat = p.route("chat").expect("route");
+    assert_eq!(chat.default_output_cap(&p.estimate), 1024);
+    assert_eq!(chat.chain[0].output_cap_field, None);
+
+    let bad = "version: v
+backends:
+  - {id: g, kind: gemini, base_url: 'http://g'}
+  - {id: oa, kind: openai, base_url: 'http://a'}
+routes:
+  - model: chat
+    default_max_output_tokens: 0
+    chain:
+      - {backend: g, model: m, output_cap_field: max_completion_tokens}
+      - {backend: oa, model: m, output_cap_field: max_output}
+";
+    assert_error(
+        bad,
+        "routes[0].default_max_output_tokens",
+        7,
+        "greater than zero",
+    );
+    assert_error(
+        bad,
+        "routes[0].chain[0].output_cap_field",
+        9,
+        "kind: openai",
+    );
+    assert_error(
+        bad,
+        "routes[0].chain[1].output_cap_field",
+        10,
+        "max_completion_tokens",
+    );
+}
+
+#[test]
+fn an_unknown_backend_lists_the_ids_that_exist() {
+    let src = "version: v
+backends:
+  - {id: ollama, kind: ollama, base_url: 'http://o'}
+  - {id: gemini, kind: gemini, base_url: 'http://g'}
+routes:
+  - model: chat
+    chain: [{backend: gemnii, model: m}]
+quotas:
+  - {name: q, scope: backend, match: claude, window: day, limit_tokens: 5}
+";
+    assert_error(
+        src,
+        "routes[0].chain[0].backend",
+        7,
+        "no backend with id `gemnii` (backends: gemini, ollama)",
+    );
+    assert_error(
+        src,
+        "quotas[0].match",
+        9,
+        "no backend with id `claude` (backends: gemini, ollama)",
+    );
+}
+
+#[test]
+fn summary_names_identity_state_audit_and_unset_keys() {
+    let mut p = from_str(MINIMAL, "m.yaml").expect("valid");
+    p.backends[0].api_key_env = Some("TOLLGATE_TEST_POLICY_KEY_UNSET_2".into());
+    let s = summary(&p);
+    assert!(
+        s.contains("(ineligible: key $TOLLGATE_TEST_POLICY_KEY_UNSET_2 unset)"),
+        "{s}"
+    );
+    assert!(
+        s.contains("identity: consumer header x-tollgate-consumer"),
+        "{s}"
+    );
+    assert!(s.contains("\nstate: "), "{s}");
+    assert!(s.contains("\naudit: "), "{s}");
+    assert_eq!(
+        ineligible_reason(&p.backends[0]).as_deref(),
+        Some("key $TOLLGATE_TEST_POLICY_KEY_UNSET_2 unset")
+    );
 }

@@ -243,6 +243,9 @@ pub struct ChainEntry {
     pub model: Arc<str>,
     /// The entry's own `price_per_1k`, overriding its backend's.
     pub price: Option<Price>,
+    /// `kind: openai` only: the body field that carries the output cap; `None` picks it by
+    /// model name (`providers::openai`).
+    pub output_cap_field: Option<OutputCapField>,
 }
 
 impl ChainEntry {
@@ -252,11 +255,39 @@ impl ChainEntry {
     }
 }
 
+/// Which field of an OpenAI chat body carries the output cap. o-series and gpt-5 models
+/// reject the legacy `max_tokens`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutputCapField {
+    MaxTokens,
+    MaxCompletionTokens,
+}
+
+impl OutputCapField {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OutputCapField::MaxTokens => "max_tokens",
+            OutputCapField::MaxCompletionTokens => "max_completion_tokens",
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Route {
     pub model: Arc<str>,
     pub chain: Vec<ChainEntry>,
     pub static_response: Option<Arc<str>>,
+    /// The output cap per choice when the client sends none (overrides
+    /// `estimate.default_max_output_tokens` for this route).
+    pub default_max_output_tokens: Option<u32>,
+}
+
+impl Route {
+    /// The output cap per choice injected when the client sets none.
+    pub fn default_output_cap(&self, estimate: &EstimateCfg) -> u32 {
+        self.default_max_output_tokens
+            .unwrap_or(estimate.default_max_output_tokens)
+    }
 }
 
 /// What kind of bound: decides the HTTP answer and the reason class when it refuses.

@@ -51,7 +51,12 @@ pub(crate) fn validate(
         .rev()
         .map(|(i, b)| (&*b.id, i))
         .collect();
-    let routes: Vec<Route> = m.routes.iter().map(|r| v.route(r, &by_id)).collect();
+    let kinds: Vec<BackendKind> = backends.iter().map(|b| b.kind).collect();
+    let routes: Vec<Route> = m
+        .routes
+        .iter()
+        .map(|r| v.route(r, &by_id, &kinds))
+        .collect();
     v.unique(&m.routes, "routes", "model", "route alias", |r| {
         r.model.as_ref().map(|t| t.0.trim().to_owned())
     });

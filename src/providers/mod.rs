@@ -37,6 +37,8 @@ pub struct BuildCtx<'a> {
     pub model: &'a str,
     /// The reserved output cap per choice: always sent, so the provider enforces the bound.
     pub max_output_tokens: u64,
+    /// OpenAI kind: the chain entry's `output_cap_field` (`None`: chosen by model name).
+    pub output_cap_field: Option<crate::policy::OutputCapField>,
     pub stream: bool,
     /// OpenAI kind only: ask for the usage chunk the client did not ask for.
     pub add_include_usage: bool,

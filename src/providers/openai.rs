@@ -59,6 +59,28 @@ fn path_of(e: Endpoint) -> &'static str {
     }
 }
 
+/// The chat body field for the output cap: the chain entry's `output_cap_field` when set;
+/// else `max_completion_tokens` for models that reject `max_tokens` (the o-series, gpt-5);
+/// else the client's own spelling, `max_tokens` when it sent none (what every
+/// OpenAI-compatible server understands).
+fn chat_cap_field(c: &BuildCtx<'_>) -> &'static str {
+    if let Some(f) = c.output_cap_field {
+        return f.as_str();
+    }
+    if needs_max_completion_tokens(c.model) || c.body.contains_key("max_completion_tokens") {
+        "max_completion_tokens"
+    } else {
+        "max_tokens"
+    }
+}
+
+/// o1, o3, o4-mini, gpt-5, … (also behind a `vendor/` prefix, e.g. `openai/o3`).
+pub fn needs_max_completion_tokens(model: &str) -> bool {
+    let b = model.rsplit('/').next().unwrap_or(model).as_bytes();
+    (b.len() >= 2 && b[0].eq_ignore_ascii_case(&b'o') && b[1].is_ascii_digit())
+        || b.get(..5).is_some_and(|p| p.eq_ignore_ascii_case(b"gpt-5"))
+}
+
 impl Provider for OpenAi {
     /// Gemini's OpenAI-compatible endpoint is a `kind: openai` backend: its error bodies
     /// (wrapped in a one-element array) carry `RetryInfo` and per-day quotas.
@@ -79,14 +101,12 @@ impl Provider for OpenAi {
     }
 
     fn request(&self, c: &BuildCtx<'_>) -> Result<NativeRequest, Untranslatable> {
+        // Send the cap even when the client set none, so the reserved worst case is a bound
+        // the provider enforces.
         let cap = match c.endpoint {
             Endpoint::Embeddings => None,
-            // Keep the client's spelling; send the cap even when the client set none, so the
-            // reserved worst case is a bound the provider enforces.
-            Endpoint::Chat if c.body.contains_key("max_completion_tokens") => {
-                Some(("max_completion_tokens", c.max_output_tokens))
-            }
-            _ => Some(("max_tokens", c.max_output_tokens)),
+            Endpoint::Chat => Some((chat_cap_field(c), c.max_output_tokens)),
+            Endpoint::Completions => Some(("max_tokens", c.max_output_tokens)),
         };
         let body = serde_json::to_vec(&Rewritten {
             body: c.body,
@@ -113,5 +133,71 @@ impl Provider for OpenAi {
 
     fn stream(&self, _env: Envelope) -> Option<Box<dyn StreamTranslator>> {
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::OutputCapField;
+    use serde_json::json;
+
+    fn sent(model: &str, body: Value, field: Option<OutputCapField>) -> Value {
+        let body = body.as_object().cloned().unwrap_or_default();
+        let r = OpenAi
+            .request(&BuildCtx {
+                base_url: "http://up",
+                endpoint: Endpoint::Chat,
+                body: &body,
+                model,
+                max_output_tokens: 77,
+                output_cap_field: field,
+                stream: false,
+                add_include_usage: false,
+            })
+            .expect("request");
+        serde_json::from_slice(&r.body).expect("json")
+    }
+
+    #[test]
+    fn o_series_and_gpt5_get_max_completion_tokens() {
+        let msgs = json!({"messages": [{"role": "user", "content": "x"}]});
+        for m in [
+            "o1",
+            "o3-mini",
+            "o4-mini",
+            "gpt-5",
+            "gpt-5-mini",
+            "openai/o3",
+            "O3",
+        ] {
+            let v = sent(m, msgs.clone(), None);
+            assert_eq!(v["max_completion_tokens"], 77, "{m}: {v}");
+            assert!(v.get("max_tokens").is_none(), "{m}: {v}");
+        }
+        // A client's legacy spelling is rewritten for them too (OpenAI rejects it).
+        let v = sent("o3", json!({"messages": [], "max_tokens": 5000}), None);
+        assert_eq!(v["max_completion_tokens"], 77, "{v}");
+        assert!(v.get("max_tokens").is_none(), "{v}");
+        for m in ["gpt-4o-mini", "llama3.1:8b", "ollama", "gpt-4.1", "omni"] {
+            let v = sent(m, msgs.clone(), None);
+            assert_eq!(v["max_tokens"], 77, "{m}: {v}");
+            assert!(v.get("max_completion_tokens").is_none(), "{m}: {v}");
+        }
+    }
+
+    #[test]
+    fn the_chain_entry_setting_wins() {
+        let msgs = json!({"messages": []});
+        let v = sent(
+            "my-reasoner",
+            msgs.clone(),
+            Some(OutputCapField::MaxCompletionTokens),
+        );
+        assert_eq!(v["max_completion_tokens"], 77, "{v}");
+        assert!(v.get("max_tokens").is_none(), "{v}");
+        let v = sent("o3", msgs, Some(OutputCapField::MaxTokens));
+        assert_eq!(v["max_tokens"], 77, "{v}");
+        assert!(v.get("max_completion_tokens").is_none(), "{v}");
     }
 }

@@ -9,6 +9,7 @@ fn ctx<'a>(body: &'a Map<String, Value>, stream: bool) -> BuildCtx<'a> {
         body,
         model: "native-model",
         max_output_tokens: 321,
+        output_cap_field: None,
         stream,
         add_include_usage: false,
     }

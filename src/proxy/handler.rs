@@ -72,36 +72,71 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Bo
             return Ok(super::limits_view::answer(&app, &snap, req.headers()));
         }
         (_, p @ super::limits_view::PATH) => {
-            let rec = bare_record(&snap, p);
-            return Ok(respond::refusal(&Refusal::MethodNotAllowed, &rec, &snap));
-        }
-        (_, p @ ("/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" | "/v1/models")) => {
-            let rec = bare_record(&snap, p);
-            return Ok(respond::refusal(&Refusal::MethodNotAllowed, &rec, &snap));
+            let rec = bare_record(&snap, p, 405);
+            let resp = respond::refusal(&Refusal::MethodNotAllowed, &rec, &snap);
+            finish_as(&app, "unknown", rec, t0).await;
+            return Ok(resp);
         }
         (_, p) => {
-            let rec = bare_record(&snap, p);
-            return Ok(respond::refusal(
-                &Refusal::NotFound(p.to_string()),
-                &rec,
-                &snap,
-            ));
+            // Not governed, but audited and counted like every other refusal.
+            let governed_path = matches!(
+                p,
+                "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" | "/v1/models"
+            );
+            let (r, status) = if governed_path {
+                (Refusal::MethodNotAllowed, 405)
+            } else {
+                (Refusal::NotFound(p.to_string()), 404)
+            };
+            let rec = bare_record(&snap, p, status);
+            let resp = respond::refusal(&r, &rec, &snap);
+            finish_as(&app, "unknown", rec, t0).await;
+            return Ok(resp);
         }
     };
     Ok(governed(&app, snap, endpoint, req, t0).await)
 }
 
-fn bare_record(snap: &Snapshot, route: &str) -> Record {
+/// Longest path kept as the route of an unknown endpoint's record.
+const MAX_PATH_KEPT: usize = 200;
+
+fn bare_record(snap: &Snapshot, path: &str, status: u16) -> Record {
     let id = super::identity::new_request_id();
+    let mut end = path.len().min(MAX_PATH_KEPT);
+    while !path.is_char_boundary(end) {
+        end -= 1;
+    }
     Record::new(
         snap.policy.version.clone(),
         id.clone(),
         id,
         Arc::from("none"),
-        Arc::from(route),
+        Arc::from(&path[..end]),
     )
-    .refused_early(ReasonClass::BadRequest, 404, "not governed".into())
+    .refused_early(ReasonClass::BadRequest, status, "not governed".into())
 }
+
+/// `x-tollgate-output-cap: <n>`: the output cap per choice sent upstream, with `; injected`
+/// when the client sent none (the route's or the policy's default) and `; clamped` when it
+/// is below the client's own (a soft budget's degrade).
+fn cap_header(resp: &mut Response<Body>, rec: &Record, endpoint: Endpoint, client: Option<u64>) {
+    let Some(n) = rec
+        .upstream_max_tokens
+        .filter(|_| endpoint != Endpoint::Embeddings)
+    else {
+        return;
+    };
+    let v = match client {
+        None => HeaderValue::from_str(&format!("{n}; injected")),
+        Some(c) if n < c => HeaderValue::from_str(&format!("{n}; clamped")),
+        Some(_) => Ok(HeaderValue::from(n)),
+    };
+    if let Ok(v) = v {
+        resp.headers_mut().insert(H_OUTPUT_CAP, v);
+    }
+}
+
+const H_OUTPUT_CAP: http::HeaderName = http::HeaderName::from_static("x-tollgate-output-cap");
 
 tokio::task_local! {
     /// Set when the client of the request this task serves has gone away.
@@ -352,7 +387,8 @@ async fn governed_here(
                     app.governor
                         .settle(policy, &mut rec, pending, usage, evidence);
                     let b = redact::bytes(&snap, b);
-                    let resp = upstream_response(status, &headers, full(b), &rec, &snap);
+                    let mut resp = upstream_response(status, &headers, full(b), &rec, &snap);
+                    cap_header(&mut resp, &rec, endpoint, est.max_output_tokens);
                     finish(app, endpoint, rec, t0).await;
                     resp
                 }
@@ -375,7 +411,9 @@ async fn governed_here(
                         permit,
                     };
                     let body = stream::metered(incoming, translate, tail, deadline);
-                    upstream_response(status, &headers, body, &rec, &snap)
+                    let mut resp = upstream_response(status, &headers, body, &rec, &snap);
+                    cap_header(&mut resp, &rec, endpoint, est.max_output_tokens);
+                    resp
                 }
             }
         }
@@ -491,14 +529,18 @@ fn upstream_response(
     resp
 }
 
-async fn finish(app: &App, endpoint: Endpoint, mut record: Record, t0: Instant) {
+async fn finish(app: &App, endpoint: Endpoint, record: Record, t0: Instant) {
+    finish_as(app, endpoint_name(endpoint), record, t0).await
+}
+
+async fn finish_as(app: &App, endpoint: &'static str, mut record: Record, t0: Instant) {
     if client_gone() {
         record.client_disconnected = true;
     }
     let now = jiff::Timestamp::now();
     let entry = Entry {
         ts: now.to_string(),
-        endpoint: endpoint_name(endpoint),
+        endpoint,
         latency_ms: t0.elapsed().as_secs_f64() * 1000.0,
         record,
     };

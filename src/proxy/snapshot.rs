@@ -93,6 +93,10 @@ impl Snapshot {
                     .map_err(|e| format!("backend {}: api_key_env: {e}", b.id))?,
                 None => Vec::new(),
             };
+            if let (None, Some(env)) = (&key, &b.api_key_env) {
+                // Once per backend and load (start, every reload): calls skip it silently.
+                tracing::warn!(backend = %b.id, env = %env, "backend ineligible: key ${env} unset; its chain entries are skipped");
+            }
             keys.push(key.map(|k| Secret(Arc::from(k))));
             auth.push(headers);
         }

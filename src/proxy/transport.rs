@@ -230,6 +230,7 @@ impl Call<'_> {
             body: self.body,
             model: spec.model,
             max_output_tokens: spec.max_output_tokens,
+            output_cap_field: spec.output_cap_field,
             stream: self.stream,
             add_include_usage: self.add_include_usage,
         })?;
