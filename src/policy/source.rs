@@ -166,6 +166,7 @@ pub(crate) struct Merged {
     pub state: Option<At<RawState>>,
     pub audit: Option<At<RawAudit>>,
     pub alerts: Option<At<RawAlerts>>,
+    pub telemetry: Option<At<RawTelemetry>>,
 }
 
 impl Merged {
@@ -213,6 +214,7 @@ impl Merged {
         m.one(&mut self.state, raw.state, "state");
         m.one(&mut self.audit, raw.audit, "audit");
         m.one(&mut self.alerts, raw.alerts, "alerts");
+        m.one(&mut self.telemetry, raw.telemetry, "telemetry");
     }
 }
 

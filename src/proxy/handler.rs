@@ -78,7 +78,14 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Bo
             ));
         }
     };
-    Ok(governed(&app, snap, endpoint, req, t0).await)
+    match crate::telemetry::otel::get() {
+        None => Ok(governed(&app, snap, endpoint, req, t0).await),
+        Some(o) => {
+            let trace = o.start(req.headers(), endpoint);
+            let fut = governed(&app, snap, endpoint, req, t0);
+            Ok(crate::telemetry::otel::scope(trace, fut).await)
+        }
+    }
 }
 
 fn bare_record(snap: &Snapshot, route: &str) -> Record {
@@ -256,6 +263,7 @@ async fn governed(
             } = payload;
             match body {
                 UpBody::Buffered(b) => {
+                    crate::telemetry::otel::note_body(&b);
                     let (usage, evidence) = buffered_usage(&b, &est, policy.estimate.tokenizer);
                     app.governor
                         .settle(policy, &mut rec, pending, usage, evidence);
@@ -280,6 +288,7 @@ async fn governed(
                         hide_usage,
                         started: t0,
                         permit,
+                        otel: crate::telemetry::otel::take(),
                     };
                     let body = stream::metered(incoming, translate, tail, deadline);
                     upstream_response(status, &headers, body, &rec, &snap)
@@ -402,6 +411,7 @@ async fn finish(app: &App, endpoint: Endpoint, record: Record, t0: Instant) {
         .governor
         .windows_at(&app.snap.load().policy.windows, now.as_millisecond());
     crate::telemetry::observe(&entry, windows);
+    crate::telemetry::otel::finish(&entry);
     app.audit.record(entry).await;
 }
 

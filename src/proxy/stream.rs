@@ -34,6 +34,8 @@ pub struct Tail {
     pub started: Instant,
     /// The backend's in-flight slot: given back when the stream ends.
     pub permit: Option<InFlight>,
+    /// The request's OpenTelemetry trace, ended with the stream.
+    pub otel: Option<crate::telemetry::otel::RequestTrace>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,6 +103,7 @@ impl Metered {
             input_tokens,
             started,
             permit,
+            otel,
             ..
         } = tail;
         drop(permit);
@@ -140,6 +143,9 @@ impl Metered {
         };
         let windows = governor.windows_at(&policy.windows, now.as_millisecond());
         crate::telemetry::observe_stream(&entry, windows);
+        if let Some(t) = otel {
+            t.finish(&entry);
+        }
         // Drop may run outside an async context: hand the record to a task when we can.
         match tokio::runtime::Handle::try_current() {
             Ok(h) => {
@@ -234,6 +240,9 @@ impl HttpBody for Metered {
                         }
                     };
                     let out = this.meter.feed(&data);
+                    if let Some(t) = this.tail.as_mut().and_then(|t| t.otel.as_mut()) {
+                        t.chunk(&data);
+                    }
                     if native_error {
                         // The provider reported an error inside its stream; its OpenAI error
                         // event is in `out`. End here: partial usage, a circuit failure.

@@ -32,6 +32,8 @@ pub const TOLLGATE_POLICY_RELOADS_TOTAL: &str = "tollgate_policy_reloads_total";
 pub const TOLLGATE_POLICY_INFO: &str = "tollgate_policy_info";
 /// counter {outcome}: alert crossings and their webhook deliveries (an extension).
 pub const TOLLGATE_ALERTS_TOTAL: &str = "tollgate_alerts_total";
+/// counter {reason}: finished spans the OTLP export dropped (`queue_full`, `export_failed`).
+pub const TOLLGATE_OTEL_DROPPED_SPANS_TOTAL: &str = "tollgate_otel_dropped_spans_total";
 
 /// Upstream latency buckets, seconds: local models answer in ms, big ones in a minute.
 pub const DURATION_BUCKETS: &[f64] = &[
@@ -106,5 +108,10 @@ pub fn describe() {
         TOLLGATE_ALERTS_TOTAL,
         Unit::Count,
         "Alert threshold crossings (logged) and webhook deliveries (delivered/failed/dropped)"
+    );
+    describe_counter!(
+        TOLLGATE_OTEL_DROPPED_SPANS_TOTAL,
+        Unit::Count,
+        "Finished spans the OpenTelemetry export dropped: queue full or export failed"
     );
 }
