@@ -185,7 +185,8 @@ async fn one_trace_per_request_joined_to_the_callers_with_attempt_spans_and_gena
     let sc = Sidecar::start(&chain_yaml(&a, &b)).await;
     let traceparent = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01");
     let prompt = "a secret prompt";
-    let body = j!({"model": "chat", "messages": [{"role": "user", "content": prompt}], "max_tokens": 50});
+    let body =
+        j!({"model": "chat", "messages": [{"role": "user", "content": prompt}], "max_tokens": 50});
     let (s, _, out) = post_json(
         &sc.chat_url(),
         &body,
@@ -197,7 +198,10 @@ async fn one_trace_per_request_joined_to_the_callers_with_attempt_spans_and_gena
     )
     .await;
     assert_eq!(s, 200, "{}", String::from_utf8_lossy(&out));
-    assert_eq!(json(&out)["choices"][0]["message"]["content"], "the served completion");
+    assert_eq!(
+        json(&out)["choices"][0]["message"]["content"],
+        "the served completion"
+    );
     // A stream: its server span ends with the stream, and the first chunk is timed.
     let mut sbody = body.clone();
     sbody["stream"] = j!(true);
@@ -217,7 +221,11 @@ async fn one_trace_per_request_joined_to_the_callers_with_attempt_spans_and_gena
         .collect();
     assert_eq!(server.len(), 1, "one server span in the caller's trace");
     let server = *server[0];
-    assert_eq!(hex(&server.parent_span_id), CLIENT_SPAN, "continues the caller's span");
+    assert_eq!(
+        hex(&server.parent_span_id),
+        CLIENT_SPAN,
+        "continues the caller's span"
+    );
     assert_eq!(server.name, "chat chat");
     assert_eq!(s_attr(server, "gen_ai.operation.name"), "chat");
     assert_eq!(s_attr(server, "gen_ai.request.model"), "chat");

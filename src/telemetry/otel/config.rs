@@ -49,7 +49,11 @@ pub fn settings(
     env: &dyn Fn(&str) -> Option<String>,
     policy: &OtlpCfg,
 ) -> Result<Option<Settings>, String> {
-    let var = |k: &str| env(k).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
+    let var = |k: &str| {
+        env(k)
+            .map(|v| v.trim().to_string())
+            .filter(|v| !v.is_empty())
+    };
     if var("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
         return Ok(None);
     }
@@ -96,7 +100,10 @@ pub fn settings(
                 .ok_or_else(|| format!("{k}=`{v}` is not a count in 1..={MAX_QUEUE}")),
         }
     };
-    let queue = count("OTEL_BSP_MAX_QUEUE_SIZE", policy.queue.unwrap_or(DEFAULT_QUEUE))?;
+    let queue = count(
+        "OTEL_BSP_MAX_QUEUE_SIZE",
+        policy.queue.unwrap_or(DEFAULT_QUEUE),
+    )?;
     let batch = count("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", DEFAULT_BATCH)?.min(queue);
     Ok(Some(Settings {
         traces_endpoint,
@@ -125,7 +132,9 @@ fn check_url(u: &str) -> Result<(), String> {
     if ok {
         Ok(())
     } else {
-        Err(format!("OTLP endpoint `{u}` is not an http(s) URL with a host"))
+        Err(format!(
+            "OTLP endpoint `{u}` is not an http(s) URL with a host"
+        ))
     }
 }
 
@@ -144,10 +153,8 @@ impl Settings {
     pub(super) fn resource(&self) -> Resource {
         let env_names = std::env::var("OTEL_SERVICE_NAME").is_ok_and(|v| !v.is_empty())
             || std::env::var("OTEL_RESOURCE_ATTRIBUTES").is_ok_and(|v| v.contains("service.name="));
-        let b = Resource::builder().with_attribute(KeyValue::new(
-            "service.version",
-            env!("CARGO_PKG_VERSION"),
-        ));
+        let b = Resource::builder()
+            .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")));
         if env_names {
             b.build()
         } else {

@@ -153,8 +153,7 @@ pub(super) fn start(
     exporter.set_resource(resource);
     let (tx, rx) = mpsc::channel(s.queue);
     let (ctl_tx, ctl_rx) = mpsc::channel(4);
-    let failed =
-        metrics::counter!(TOLLGATE_OTEL_DROPPED_SPANS_TOTAL, "reason" => "export_failed");
+    let failed = metrics::counter!(TOLLGATE_OTEL_DROPPED_SPANS_TOTAL, "reason" => "export_failed");
     let full = metrics::counter!(TOLLGATE_OTEL_DROPPED_SPANS_TOTAL, "reason" => "queue_full");
     let worker = Worker {
         exporter,
@@ -233,7 +232,10 @@ impl<E: SpanExporter> Worker<E> {
         if !ok {
             self.failed.increment(n);
             if !self.failing {
-                tracing::warn!(spans = n, "opentelemetry: span export failed; dropping spans until the collector answers");
+                tracing::warn!(
+                    spans = n,
+                    "opentelemetry: span export failed; dropping spans until the collector answers"
+                );
             }
         } else if self.failing {
             tracing::info!("opentelemetry: span export works again");

@@ -15,6 +15,7 @@
 
 mod config;
 mod export;
+mod notes;
 mod spans;
 
 pub use config::{settings, Protocol, Settings};
@@ -154,8 +155,8 @@ fn build(s: &Settings) -> Result<Otel, String> {
             .with_unit("{token}")
             .with_description("Number of input and output tokens used")
             .with_boundaries(vec![
-                1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0,
-                1048576.0, 4194304.0, 16777216.0, 67108864.0,
+                1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0,
+                4194304.0, 16777216.0, 67108864.0,
             ])
             .build(),
         duration: meter
@@ -167,7 +168,9 @@ fn build(s: &Settings) -> Result<Otel, String> {
         first_chunk: meter
             .f64_histogram("gen_ai.client.operation.time_to_first_chunk")
             .with_unit("s")
-            .with_description("Time to the first chunk of a streamed answer, from the attempt's start")
+            .with_description(
+                "Time to the first chunk of a streamed answer, from the attempt's start",
+            )
             .with_boundaries(DURATION_BOUNDS.to_vec())
             .build(),
     };

@@ -5,13 +5,12 @@
 //! one per upstream attempt: a failed or skipped attempt ends when it fails; the served one
 //! ends with the request, carrying the usage, the response model and the finish reasons.
 
+use super::notes::Notes;
 use super::{with, Otel};
 use crate::audit::Entry;
 use crate::governor::{CallResult, CallSpec, Record, UsageEvidence};
 use opentelemetry::propagation::TextMapPropagator;
-use opentelemetry::trace::{
-    Span as _, SpanKind, Status, TraceContextExt, Tracer as _,
-};
+use opentelemetry::trace::{Span as _, SpanKind, Status, TraceContextExt, Tracer as _};
 use opentelemetry::{Array, Context, KeyValue, StringValue, Value};
 use opentelemetry_http::{HeaderExtractor, HeaderInjector};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
@@ -30,7 +29,9 @@ pub struct RequestTrace {
 
 impl std::fmt::Debug for RequestTrace {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RequestTrace").field("op", &self.op).finish()
+        f.debug_struct("RequestTrace")
+            .field("op", &self.op)
+            .finish()
     }
 }
 
@@ -62,7 +63,12 @@ fn text(s: &Arc<str>) -> Value {
 }
 
 impl RequestTrace {
-    pub(super) fn start(o: &Arc<Otel>, headers: &http::HeaderMap, path: &'static str, op: &'static str) -> Self {
+    pub(super) fn start(
+        o: &Arc<Otel>,
+        headers: &http::HeaderMap,
+        path: &'static str,
+        op: &'static str,
+    ) -> Self {
         let parent = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
         let span = o
             .tracer
@@ -148,21 +154,36 @@ impl RequestTrace {
             gen_ai.push(KeyValue::new("gen_ai.response.model", text(m)));
         }
         if usage {
-            gen_ai.push(KeyValue::new("gen_ai.usage.input_tokens", sat(rec.actual_input_tokens)));
-            gen_ai.push(KeyValue::new("gen_ai.usage.output_tokens", sat(rec.actual_output_tokens)));
+            gen_ai.push(KeyValue::new(
+                "gen_ai.usage.input_tokens",
+                sat(rec.actual_input_tokens),
+            ));
+            gen_ai.push(KeyValue::new(
+                "gen_ai.usage.output_tokens",
+                sat(rec.actual_output_tokens),
+            ));
         }
         if let Some(c) = self.notes.cached {
-            gen_ai.push(KeyValue::new("gen_ai.usage.cache_read.input_tokens", sat(c)));
+            gen_ai.push(KeyValue::new(
+                "gen_ai.usage.cache_read.input_tokens",
+                sat(c),
+            ));
         }
         if !self.notes.finish.is_empty() {
             let v: Vec<StringValue> = self.notes.finish.iter().map(|s| s.clone().into()).collect();
-            gen_ai.push(KeyValue::new("gen_ai.response.finish_reasons", Value::Array(Array::String(v))));
+            gen_ai.push(KeyValue::new(
+                "gen_ai.response.finish_reasons",
+                Value::Array(Array::String(v)),
+            ));
         }
         let mut provider = None;
         if let Some(mut a) = self.served.take() {
             provider = Some(a.attrs[1].clone());
             a.span.set_attributes(gen_ai.iter().cloned());
-            a.span.set_attribute(KeyValue::new("http.response.status_code", i64::from(rec.http_status)));
+            a.span.set_attribute(KeyValue::new(
+                "http.response.status_code",
+                i64::from(rec.http_status),
+            ));
             let m = &self.metrics.instruments;
             let mut attrs = a.attrs.to_vec();
             if let Some(m) = &response_model {
@@ -188,7 +209,10 @@ impl RequestTrace {
             cx.set_attribute(p);
         }
         if rec.requested_output_tokens > 0 {
-            cx.set_attribute(KeyValue::new("gen_ai.request.max_tokens", sat(rec.requested_output_tokens)));
+            cx.set_attribute(KeyValue::new(
+                "gen_ai.request.max_tokens",
+                sat(rec.requested_output_tokens),
+            ));
         }
         for kv in gen_ai {
             cx.set_attribute(kv);
@@ -196,7 +220,10 @@ impl RequestTrace {
         for kv in decision(rec) {
             cx.set_attribute(kv);
         }
-        cx.set_attribute(KeyValue::new("http.response.status_code", i64::from(rec.http_status)));
+        cx.set_attribute(KeyValue::new(
+            "http.response.status_code",
+            i64::from(rec.http_status),
+        ));
         if rec.http_status >= 400 {
             cx.set_attribute(KeyValue::new("error.type", rec.reason_class.as_str()));
         }
@@ -221,7 +248,10 @@ fn decision(rec: &Record) -> Vec<KeyValue> {
         KeyValue::new("tollgate.quota_state", rec.quota_state.as_str()),
         KeyValue::new("tollgate.circuit_state", rec.circuit_state.as_str()),
         KeyValue::new("tollgate.retry_state", rec.retry_state.as_str()),
-        KeyValue::new("tollgate.usage_evidence_state", rec.usage_evidence_state.as_str()),
+        KeyValue::new(
+            "tollgate.usage_evidence_state",
+            rec.usage_evidence_state.as_str(),
+        ),
         KeyValue::new("tollgate.fallback_state", rec.fallback_state.as_str()),
         KeyValue::new("tollgate.consumer", text(&rec.consumer_id)),
         KeyValue::new("tollgate.route", text(&rec.route)),
@@ -251,17 +281,22 @@ impl Attempt {
                 return;
             }
             CallResult::NotRetryable { status, .. } => {
-                self.span.set_attribute(KeyValue::new("http.response.status_code", i64::from(*status)));
+                self.span.set_attribute(KeyValue::new(
+                    "http.response.status_code",
+                    i64::from(*status),
+                ));
                 status.to_string()
             }
             CallResult::Failed(f) => {
                 if let Some(s) = f.status {
-                    self.span.set_attribute(KeyValue::new("http.response.status_code", i64::from(s)));
+                    self.span
+                        .set_attribute(KeyValue::new("http.response.status_code", i64::from(s)));
                 }
                 f.class.as_str().to_string()
             }
             CallResult::Skipped(s) => {
-                self.span.set_attribute(KeyValue::new("tollgate.skipped", format!("{s:?}")));
+                self.span
+                    .set_attribute(KeyValue::new("tollgate.skipped", format!("{s:?}")));
                 "skipped".to_string()
             }
         };
@@ -272,74 +307,9 @@ impl Attempt {
                 .duration
                 .record(self.started.elapsed().as_secs_f64(), &attrs);
         }
-        self.span.set_attribute(KeyValue::new("error.type", error.clone()));
+        self.span
+            .set_attribute(KeyValue::new("error.type", error.clone()));
         self.span.set_status(Status::error(error));
         self.span.end();
     }
-}
-
-/// What an answer says of itself, read without parsing it: the response model, finish
-/// reasons and cached input tokens (OpenAI's shape, which native answers are turned into).
-/// The keys are matched with their unescaped quotes, which text inside a JSON string cannot have.
-#[derive(Debug, Default)]
-pub(crate) struct Notes {
-    pub model: Option<Arc<str>>,
-    pub finish: Vec<String>,
-    pub cached: Option<u64>,
-}
-
-/// At most this many finish reasons are kept (`n` choices).
-const MAX_FINISH: usize = 16;
-
-impl Notes {
-    pub fn scan(&mut self, b: &[u8]) {
-        if self.model.is_none() {
-            self.model = string_after(b, b"\"model\"").map(Arc::from);
-        }
-        let mut rest = b;
-        while let Some(i) = find(rest, b"\"finish_reason\"") {
-            rest = &rest[i + 15..];
-            if let Some(s) = string_at(rest) {
-                if self.finish.len() < MAX_FINISH && !self.finish.iter().any(|f| *f == s) {
-                    self.finish.push(s);
-                }
-            }
-        }
-        if let Some(i) = find(b, b"\"cached_tokens\"") {
-            let n = number_at(&b[i + 15..]);
-            if n.is_some() {
-                self.cached = n;
-            }
-        }
-    }
-}
-
-fn find(h: &[u8], n: &[u8]) -> Option<usize> {
-    h.windows(n.len()).position(|w| w == n)
-}
-
-fn string_after(b: &[u8], key: &[u8]) -> Option<String> {
-    find(b, key).and_then(|i| string_at(&b[i + key.len()..]))
-}
-
-/// `: "value"` → value (short, unescaped names only).
-fn string_at(b: &[u8]) -> Option<String> {
-    let b = skip_colon(b)?;
-    let b = b.strip_prefix(b"\"")?;
-    let end = b.iter().take(128).position(|&c| c == b'"' || c == b'\\')?;
-    if b[end] != b'"' {
-        return None;
-    }
-    std::str::from_utf8(&b[..end]).ok().map(str::to_string)
-}
-
-fn number_at(b: &[u8]) -> Option<u64> {
-    let b = skip_colon(b)?;
-    let end = b.iter().position(|c| !c.is_ascii_digit()).unwrap_or(b.len());
-    std::str::from_utf8(&b[..end.min(19)]).ok()?.parse().ok()
-}
-
-fn skip_colon(b: &[u8]) -> Option<&[u8]> {
-    let b = b.trim_ascii_start().strip_prefix(b":")?;
-    Some(b.trim_ascii_start())
 }

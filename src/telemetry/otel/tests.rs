@@ -1,5 +1,5 @@
 use super::config::settings;
-use super::spans::Notes;
+use super::notes::Notes;
 use crate::policy::OtlpCfg;
 use std::collections::HashMap;
 use std::time::Duration;
@@ -89,4 +89,95 @@ fn notes_read_model_finish_reasons_and_cached_tokens() {
     n.scan(b"data: {\"choices\":[{\"finish_reason\":\"stop\"}]}\n\n");
     assert_eq!(n.model.as_deref(), Some("gpt-4o-2024"));
     assert_eq!(n.finish, ["stop", "length"]);
+}
+
+/// Cost of the span path for one governed request with export on: server span, one attempt
+/// span with its `traceparent`, the answer's notes, the end of both spans, the three metric
+/// records, and (on the same thread) the background export's protobuf encoding. A
+/// measurement, not a check: `cargo test --lib otel_cost -- --ignored --nocapture`.
+#[tokio::test(flavor = "current_thread")]
+#[ignore]
+async fn otel_cost() {
+    use crate::audit::Entry;
+    use crate::governor::{CallResult, CallSpec, Record, UsageEvidence};
+    use std::sync::Arc;
+    let p = crate::policy::from_str(
+        "version: v\nbackends:\n  - {id: b, kind: openai, base_url: 'http://127.0.0.1:9/v1'}\nroutes:\n  - model: chat\n    chain: [{backend: b, model: m}]\n",
+        "p.yaml",
+    )
+    .unwrap();
+    let backend = &p.backends[0];
+    let mut rec = Record::new(
+        Arc::from("v"),
+        Arc::from("r"),
+        Arc::from("r"),
+        Arc::from("c"),
+        Arc::from("chat"),
+    );
+    rec.backend = Arc::from("b");
+    rec.upstream_model = Some(Arc::from("m"));
+    rec.usage_evidence_state = UsageEvidence::Actual;
+    rec.actual_input_tokens = 10;
+    rec.actual_output_tokens = 5;
+    let entry = Entry {
+        ts: "2026-01-01T00:00:00Z".into(),
+        endpoint: "chat.completions",
+        latency_ms: 3.2,
+        record: rec,
+    };
+    let body = br#"{"id":"x","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"hello"},"finish_reason":"stop"}],"usage":{"prompt_tokens":10,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":0}}}"#;
+    let mut headers = http::HeaderMap::new();
+    headers.insert(
+        "traceparent",
+        http::HeaderValue::from_static("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+    );
+    // Nothing listens on port 9: exports fail at once (encoding done, no network wait).
+    let mut s = super::Settings::for_endpoint("http://127.0.0.1:9").unwrap();
+    s.queue = 1 << 16;
+    super::install(&s).unwrap();
+    let one = || async {
+        let o = super::get().unwrap();
+        let t = o.start(&headers, crate::estimate::Endpoint::Chat);
+        super::scope(t, async {
+            let spec = CallSpec {
+                backend,
+                backend_index: 0,
+                model: "m",
+                max_output_tokens: 50,
+                attempt: 1,
+                probe: false,
+            };
+            let a = super::attempt(&spec).unwrap();
+            let mut h = http::HeaderMap::new();
+            a.inject(&mut h);
+            a.end(&CallResult::<()>::Served(()));
+            super::note_body(body);
+            super::finish(&entry);
+        })
+        .await;
+    };
+    for _ in 0..2000 {
+        one().await;
+    }
+    let n = 50_000;
+    let t0 = std::time::Instant::now();
+    for i in 0..n {
+        one().await;
+        if i % 256 == 0 {
+            // Let the export task run on this thread: its CPU counts too.
+            tokio::task::yield_now().await;
+        }
+    }
+    super::flush(std::time::Duration::from_secs(5)).await;
+    let on = t0.elapsed().as_nanos() as f64 / n as f64;
+    super::shutdown(std::time::Duration::from_millis(200)).await;
+    let t0 = std::time::Instant::now();
+    let mut hits = 0u32;
+    for _ in 0..n {
+        if std::hint::black_box(super::get()).is_some() {
+            hits += 1;
+        }
+    }
+    let off = t0.elapsed().as_nanos() as f64 / n as f64;
+    eprintln!("otel on: {on:.0} ns per request (spans + metrics + export encoding); off: {off:.1} ns ({hits})");
 }
