@@ -25,7 +25,7 @@ impl Notes {
         while let Some(i) = find(rest, b"\"finish_reason\"") {
             rest = &rest[i + 15..];
             if let Some(s) = string_at(rest) {
-                if self.finish.len() < MAX_FINISH && !self.finish.iter().any(|f| *f == s) {
+                if self.finish.len() < MAX_FINISH && !self.finish.contains(&s) {
                     self.finish.push(s);
                 }
             }
