@@ -209,7 +209,7 @@ async fn one_trace_per_request_joined_to_the_callers_with_attempt_spans_and_gena
     assert_eq!(s, 200, "{}", String::from_utf8_lossy(&out));
     otel::flush(Duration::from_secs(10)).await;
 
-    let got = rx.got.lock().unwrap();
+    let got = std::mem::take(&mut *rx.got.lock().unwrap());
     let trace: Vec<&Span> = got
         .spans
         .iter()
@@ -319,7 +319,6 @@ async fn one_trace_per_request_joined_to_the_callers_with_attempt_spans_and_gena
     assert_eq!((count(Some("5xx")), count(None)), (2, 2), "{dur:?}");
     let ttfc = points(&got, "gen_ai.client.operation.time_to_first_chunk");
     assert_eq!(ttfc.iter().map(|p| p.count).sum::<u64>(), 1, "{ttfc:?}");
-    drop(got);
     otel::shutdown(Duration::from_secs(5)).await;
 }
 
