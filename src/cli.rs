@@ -202,6 +202,8 @@ pub async fn serve(args: &ServeArgs) -> u8 {
         );
     }
     crate::estimate::warm_up_for(snap.policy.estimate.tokenizer);
+    // OTLP export when configured (`OTEL_*` or telemetry.otlp; read once, at start).
+    crate::telemetry::otel::init(&snap.policy);
     let state = match crate::proxy::persist::State::open(&snap.policy) {
         Ok(s) => s,
         Err(e) => {
@@ -244,6 +246,7 @@ pub async fn serve(args: &ServeArgs) -> u8 {
     tracing::info!("shutting down: draining in-flight requests");
     let app = running.app.clone();
     running.shutdown().await;
+    crate::telemetry::otel::shutdown(std::time::Duration::from_secs(5)).await;
     drop(app);
     state.finish().await;
     if let Some(w) = writer {

@@ -15,6 +15,7 @@ mod locate;
 mod raw;
 mod sections;
 mod source;
+mod telemetry;
 pub mod types;
 mod validate;
 

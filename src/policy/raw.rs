@@ -90,6 +90,7 @@ pub struct RawPolicy {
     pub state: Option<RawState>,
     pub audit: Option<RawAudit>,
     pub alerts: Option<RawAlerts>,
+    pub telemetry: Option<RawTelemetry>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -308,6 +309,23 @@ pub struct RawAlerts {
     pub timeout: Option<RawDuration>,
     pub queue: Option<usize>,
     pub max_attempts: Option<u32>,
+}
+
+/// `telemetry`: only `otlp` so far (the `OTEL_*` variables override it).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTelemetry {
+    pub otlp: Option<RawOtlp>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawOtlp {
+    pub endpoint: Option<String>,
+    pub protocol: Option<String>,
+    pub service_name: Option<String>,
+    pub sample_ratio: Option<f64>,
+    pub queue: Option<usize>,
 }
 
 /// A scalar read as text: YAML turns `version: 2026.1` or `match: 42` into numbers, but

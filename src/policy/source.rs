@@ -226,6 +226,7 @@ pub(crate) struct Merged {
     pub state: Option<At<RawState>>,
     pub audit: Option<At<RawAudit>>,
     pub alerts: Option<At<RawAlerts>>,
+    pub telemetry: Option<At<RawTelemetry>>,
 }
 
 impl Merged {
@@ -278,6 +279,7 @@ impl Merged {
         m.one(&mut self.state, raw.state, "state");
         m.one(&mut self.audit, raw.audit, "audit");
         m.one(&mut self.alerts, raw.alerts, "alerts");
+        m.one(&mut self.telemetry, raw.telemetry, "telemetry");
     }
 }
 

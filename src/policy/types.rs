@@ -30,6 +30,8 @@ pub struct Policy {
     pub audit: AuditCfg,
     /// `alerts`: where threshold crossings are delivered besides the log.
     pub alerts: AlertsCfg,
+    /// `telemetry`: OpenTelemetry export (read at start; the `OTEL_*` variables win).
+    pub telemetry: TelemetryCfg,
     /// route alias -> index into `routes`.
     pub route_index: HashMap<String, usize>,
 }
@@ -520,4 +522,26 @@ mod glob_tests {
         assert!(m("gpt-4.1", "gpt-4.1"));
         assert!(!m("gpt-4.1", "gpt-4x1"), "a dot is a dot");
     }
+}
+
+/// `telemetry`: optional OpenTelemetry export settings.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TelemetryCfg {
+    pub otlp: OtlpCfg,
+}
+
+/// `telemetry.otlp`: defaults under the standard `OTEL_*` variables, which override each key.
+/// No endpoint (here or in `OTEL_EXPORTER_OTLP_ENDPOINT`): export is off.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct OtlpCfg {
+    /// Base URL (`http://collector:4318`); `/v1/traces` and `/v1/metrics` are appended.
+    pub endpoint: Option<String>,
+    /// `http/protobuf` (the only one built in).
+    pub protocol: Option<String>,
+    /// `service.name` (default `tollgate`).
+    pub service_name: Option<String>,
+    /// Parent-based trace-id ratio sampling, 0..=1 (default: every trace).
+    pub sample_ratio: Option<f64>,
+    /// Finished spans waiting for export; past this they are dropped and counted.
+    pub queue: Option<usize>,
 }

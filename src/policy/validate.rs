@@ -81,6 +81,7 @@ pub(crate) fn validate(
         (v.retry(&m), v.fallback(&m), v.degrade(&m), v.defer(&m));
     let (state, audit) = (v.state(&m), v.audit(&m));
     let alerts = v.alerts_cfg(&m);
+    let telemetry = v.telemetry_cfg(&m);
     // A shared hold must outlive the call it covers, or other replicas could spend it twice.
     if state.backend == StateBackend::Redis {
         if let Some((i, b)) = backends
@@ -126,6 +127,7 @@ pub(crate) fn validate(
         state,
         audit,
         alerts,
+        telemetry,
         route_index,
     })
 }

@@ -94,7 +94,14 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Bo
             return Ok(resp);
         }
     };
-    Ok(governed(&app, snap, endpoint, req, t0).await)
+    match crate::telemetry::otel::get() {
+        None => Ok(governed(&app, snap, endpoint, req, t0).await),
+        Some(o) => {
+            let trace = o.start(req.headers(), endpoint);
+            let fut = governed(&app, snap, endpoint, req, t0);
+            Ok(crate::telemetry::otel::scope(trace, fut).await)
+        }
+    }
 }
 
 /// Longest path kept as the route of an unknown endpoint's record.
@@ -383,6 +390,7 @@ async fn governed_here(
             } = payload;
             match body {
                 UpBody::Buffered(b) => {
+                    crate::telemetry::otel::note_body(&b);
                     let (usage, evidence) = buffered_usage(&b, &est, policy.estimate.tokenizer);
                     app.governor
                         .settle(policy, &mut rec, pending, usage, evidence);
@@ -409,6 +417,7 @@ async fn governed_here(
                         hide_usage,
                         started: t0,
                         permit,
+                        otel: crate::telemetry::otel::take(),
                     };
                     let body = stream::metered(incoming, translate, tail, deadline);
                     let mut resp = upstream_response(status, &headers, body, &rec, &snap);
@@ -548,6 +557,7 @@ async fn finish_as(app: &App, endpoint: &'static str, mut record: Record, t0: In
         .governor
         .windows_at(&app.snap.load().policy.windows, now.as_millisecond());
     crate::telemetry::observe(&entry, windows);
+    crate::telemetry::otel::finish(&entry);
     app.audit.record(entry).await;
 }
 

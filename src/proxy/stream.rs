@@ -33,6 +33,8 @@ pub struct Tail {
     pub started: Instant,
     /// The backend's in-flight slot: given back when the stream ends.
     pub permit: Option<InFlight>,
+    /// The request's OpenTelemetry trace, ended with the stream.
+    pub otel: Option<crate::telemetry::otel::RequestTrace>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,6 +124,7 @@ impl Metered {
             max_output_total,
             started,
             permit,
+            otel,
             ..
         } = tail;
         drop(permit);
@@ -182,6 +185,9 @@ impl Metered {
         };
         let windows = governor.windows_at(&policy.windows, now.as_millisecond());
         crate::telemetry::observe_stream(&entry, windows);
+        if let Some(t) = otel {
+            t.finish(&entry);
+        }
         // Drop may run outside an async context: hand the record to a task when we can.
         match tokio::runtime::Handle::try_current() {
             Ok(h) => {
@@ -285,6 +291,9 @@ impl HttpBody for Metered {
                             "upstream_event_too_large",
                         ));
                         return this.finish_with(End::Oversized, out, Some(Bytes::from(ev)));
+                    }
+                    if let Some(t) = this.tail.as_mut().and_then(|t| t.otel.as_mut()) {
+                        t.chunk(&data);
                     }
                     if native_error {
                         // The provider reported an error inside its stream; its OpenAI error

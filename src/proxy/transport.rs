@@ -258,12 +258,25 @@ impl Call<'_> {
     }
 
     async fn attempt(&self, spec: CallSpec<'_>) -> CallResult<UpstreamResponse> {
+        let Some(span) = crate::telemetry::otel::attempt(&spec) else {
+            return self.attempt_inner(spec, None).await;
+        };
+        let r = self.attempt_inner(spec, Some(&span)).await;
+        span.end(&r);
+        r
+    }
+
+    async fn attempt_inner(
+        &self,
+        spec: CallSpec<'_>,
+        span: Option<&crate::telemetry::otel::Attempt>,
+    ) -> CallResult<UpstreamResponse> {
         let backend = spec.backend;
         let provider = providers::for_kind(backend.kind);
         let t = &backend.timeouts;
         let start = Instant::now();
         let deadline = start + t.total;
-        let req = match self.build(&spec, provider) {
+        let mut req = match self.build(&spec, provider) {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(backend = %backend.id, error = %e, "request cannot be sent to this backend: skipped");
@@ -273,6 +286,9 @@ impl Call<'_> {
         let Ok(permit) = self.transport.take_slot(backend) else {
             return CallResult::Skipped(Skip::Saturated);
         };
+        if let Some(s) = span {
+            s.inject(req.headers_mut());
+        }
         let client = self.transport.client(t.connect);
         let first_byte = t.first_byte.min(t.total);
         let resp = match tokio::time::timeout(first_byte, client.request(req)).await {

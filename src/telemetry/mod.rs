@@ -8,6 +8,7 @@
 
 pub mod alerts;
 pub mod names;
+pub mod otel;
 pub mod stats;
 pub mod window;
 

@@ -39,6 +39,8 @@ pub const TOLLGATE_CONNECTIONS_REFUSED_TOTAL: &str = "tollgate_connections_refus
 /// counter {backend}: calls whose committed usage was above their reserved worst case (a
 /// provider billing past the cap it was sent, or an absurd usage report).
 pub const TOLLGATE_USAGE_OVER_RESERVATION_TOTAL: &str = "tollgate_usage_over_reservation_total";
+/// counter {reason}: finished spans the OTLP export dropped (`queue_full`, `export_failed`).
+pub const TOLLGATE_OTEL_DROPPED_SPANS_TOTAL: &str = "tollgate_otel_dropped_spans_total";
 
 /// Upstream latency buckets, seconds: local models answer in ms, big ones in a minute.
 pub const DURATION_BUCKETS: &[f64] = &[
@@ -123,5 +125,10 @@ pub fn describe() {
         TOLLGATE_USAGE_OVER_RESERVATION_TOTAL,
         Unit::Count,
         "Calls whose committed usage was above their reserved worst case, by backend"
+    );
+    describe_counter!(
+        TOLLGATE_OTEL_DROPPED_SPANS_TOTAL,
+        Unit::Count,
+        "Finished spans the OpenTelemetry export dropped: queue full or export failed"
     );
 }

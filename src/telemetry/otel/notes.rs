@@ -1,0 +1,73 @@
+//! What an answer says of itself (response model, finish reasons, cached input tokens), read
+//! from its bytes without keeping any text.
+
+use std::sync::Arc;
+
+/// What an answer says of itself, read without parsing it: the response model, finish
+/// reasons and cached input tokens (OpenAI's shape, which native answers are turned into).
+/// The keys are matched with their unescaped quotes, which text inside a JSON string cannot have.
+#[derive(Debug, Default)]
+pub(crate) struct Notes {
+    pub model: Option<Arc<str>>,
+    pub finish: Vec<String>,
+    pub cached: Option<u64>,
+}
+
+/// At most this many finish reasons are kept (`n` choices).
+const MAX_FINISH: usize = 16;
+
+impl Notes {
+    pub fn scan(&mut self, b: &[u8]) {
+        if self.model.is_none() {
+            self.model = string_after(b, b"\"model\"").map(Arc::from);
+        }
+        let mut rest = b;
+        while let Some(i) = find(rest, b"\"finish_reason\"") {
+            rest = &rest[i + 15..];
+            if let Some(s) = string_at(rest) {
+                if self.finish.len() < MAX_FINISH && !self.finish.contains(&s) {
+                    self.finish.push(s);
+                }
+            }
+        }
+        if let Some(i) = find(b, b"\"cached_tokens\"") {
+            let n = number_at(&b[i + 15..]);
+            if n.is_some() {
+                self.cached = n;
+            }
+        }
+    }
+}
+
+fn find(h: &[u8], n: &[u8]) -> Option<usize> {
+    h.windows(n.len()).position(|w| w == n)
+}
+
+fn string_after(b: &[u8], key: &[u8]) -> Option<String> {
+    find(b, key).and_then(|i| string_at(&b[i + key.len()..]))
+}
+
+/// `: "value"` → value (short, unescaped names only).
+fn string_at(b: &[u8]) -> Option<String> {
+    let b = skip_colon(b)?;
+    let b = b.strip_prefix(b"\"")?;
+    let end = b.iter().take(128).position(|&c| c == b'"' || c == b'\\')?;
+    if b[end] != b'"' {
+        return None;
+    }
+    std::str::from_utf8(&b[..end]).ok().map(str::to_string)
+}
+
+fn number_at(b: &[u8]) -> Option<u64> {
+    let b = skip_colon(b)?;
+    let end = b
+        .iter()
+        .position(|c| !c.is_ascii_digit())
+        .unwrap_or(b.len());
+    std::str::from_utf8(&b[..end.min(19)]).ok()?.parse().ok()
+}
+
+fn skip_colon(b: &[u8]) -> Option<&[u8]> {
+    let b = b.trim_ascii_start().strip_prefix(b":")?;
+    Some(b.trim_ascii_start())
+}

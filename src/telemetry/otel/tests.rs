@@ -1,0 +1,183 @@
+use super::config::settings;
+use super::notes::Notes;
+use crate::policy::OtlpCfg;
+use std::collections::HashMap;
+use std::time::Duration;
+
+fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+    let m: HashMap<String, String> = pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    move |k: &str| m.get(k).cloned()
+}
+
+#[test]
+fn off_without_an_endpoint_or_when_disabled() {
+    let none = OtlpCfg::default();
+    assert!(settings(&env(&[]), &none).unwrap().is_none());
+    assert!(settings(&env(&[("OTEL_SERVICE_NAME", "x")]), &none)
+        .unwrap()
+        .is_none());
+    let e = env(&[
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318"),
+        ("OTEL_SDK_DISABLED", "true"),
+    ]);
+    assert!(settings(&e, &none).unwrap().is_none());
+}
+
+#[test]
+fn the_environment_wins_over_the_policy() {
+    let p = OtlpCfg {
+        endpoint: Some("http://from-policy:4318".into()),
+        sample_ratio: Some(0.5),
+        queue: Some(10),
+        ..OtlpCfg::default()
+    };
+    let s = settings(&env(&[]), &p).unwrap().unwrap();
+    assert_eq!(s.traces_endpoint, "http://from-policy:4318/v1/traces");
+    assert_eq!((s.queue, s.batch, s.sample_ratio), (10, 10, Some(0.5)));
+    let e = env(&[
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "https://c.example:4318/"),
+        ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "http://m:9/x"),
+        ("OTEL_TRACES_SAMPLER", "always_off"),
+        ("OTEL_BSP_SCHEDULE_DELAY", "250"),
+        ("OTEL_BSP_MAX_QUEUE_SIZE", "100"),
+        ("OTEL_METRIC_EXPORT_INTERVAL", "1500"),
+    ]);
+    let s = settings(&e, &p).unwrap().unwrap();
+    assert_eq!(s.traces_endpoint, "https://c.example:4318/v1/traces");
+    assert_eq!(s.metrics_endpoint, "http://m:9/x");
+    // The SDK reads OTEL_TRACES_SAMPLER itself: the policy's ratio stands aside.
+    assert_eq!(s.sample_ratio, None);
+    assert_eq!(s.schedule_delay, Duration::from_millis(250));
+    assert_eq!(s.metric_interval, Duration::from_millis(1500));
+    assert_eq!(s.queue, 100);
+}
+
+#[test]
+fn bad_settings_are_errors() {
+    let none = OtlpCfg::default();
+    for pairs in [
+        vec![
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4317"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+        ],
+        vec![("OTEL_EXPORTER_OTLP_ENDPOINT", "c:4318")],
+        vec![
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318"),
+            ("OTEL_BSP_SCHEDULE_DELAY", "soon"),
+        ],
+        vec![
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318"),
+            ("OTEL_BSP_MAX_QUEUE_SIZE", "0"),
+        ],
+    ] {
+        assert!(settings(&env(&pairs), &none).is_err(), "{pairs:?}");
+    }
+}
+
+#[test]
+fn notes_read_model_finish_reasons_and_cached_tokens() {
+    let mut n = Notes::default();
+    n.scan(br#"{"id":"x","model": "gpt-4o-2024","choices":[{"index":0,"message":{"content":"say \"finish_reason\":\"evil\""},"finish_reason":"stop"},{"finish_reason":"length"}],"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens": 7}}}"#);
+    assert_eq!(n.model.as_deref(), Some("gpt-4o-2024"));
+    assert_eq!(n.finish, ["stop", "length"]);
+    assert_eq!(n.cached, Some(7));
+    // Stream chunks: the first model stays, reasons are not repeated, null is skipped.
+    n.scan(b"data: {\"model\":\"other\",\"choices\":[{\"delta\":{},\"finish_reason\":null}]}\n\n");
+    n.scan(b"data: {\"choices\":[{\"finish_reason\":\"stop\"}]}\n\n");
+    assert_eq!(n.model.as_deref(), Some("gpt-4o-2024"));
+    assert_eq!(n.finish, ["stop", "length"]);
+}
+
+/// Cost of the span path for one governed request with export on: server span, one attempt
+/// span with its `traceparent`, the answer's notes, the end of both spans, the three metric
+/// records, and (on the same thread) the background export's protobuf encoding. A
+/// measurement, not a check: `cargo test --lib otel_cost -- --ignored --nocapture`.
+#[tokio::test(flavor = "current_thread")]
+#[ignore]
+async fn otel_cost() {
+    use crate::audit::Entry;
+    use crate::governor::{CallResult, CallSpec, Record, UsageEvidence};
+    use std::sync::Arc;
+    let p = crate::policy::from_str(
+        "version: v\nbackends:\n  - {id: b, kind: openai, base_url: 'http://127.0.0.1:9/v1'}\nroutes:\n  - model: chat\n    chain: [{backend: b, model: m}]\n",
+        "p.yaml",
+    )
+    .unwrap();
+    let backend = &p.backends[0];
+    let mut rec = Record::new(
+        Arc::from("v"),
+        Arc::from("r"),
+        Arc::from("r"),
+        Arc::from("c"),
+        Arc::from("chat"),
+    );
+    rec.backend = Arc::from("b");
+    rec.upstream_model = Some(Arc::from("m"));
+    rec.usage_evidence_state = UsageEvidence::Actual;
+    rec.actual_input_tokens = 10;
+    rec.actual_output_tokens = 5;
+    let entry = Entry {
+        ts: "2026-01-01T00:00:00Z".into(),
+        endpoint: "chat.completions",
+        latency_ms: 3.2,
+        record: rec,
+    };
+    let body = br#"{"id":"x","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"hello"},"finish_reason":"stop"}],"usage":{"prompt_tokens":10,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":0}}}"#;
+    let mut headers = http::HeaderMap::new();
+    headers.insert(
+        "traceparent",
+        http::HeaderValue::from_static("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+    );
+    // Nothing listens on port 9: exports fail at once (encoding done, no network wait).
+    let mut s = super::Settings::for_endpoint("http://127.0.0.1:9").unwrap();
+    s.queue = 1 << 16;
+    super::install(&s).unwrap();
+    let one = || async {
+        let o = super::get().unwrap();
+        let t = o.start(&headers, crate::estimate::Endpoint::Chat);
+        super::scope(t, async {
+            let spec = CallSpec {
+                backend,
+                backend_index: 0,
+                model: "m",
+                max_output_tokens: 50,
+                attempt: 1,
+                probe: false,
+            };
+            let a = super::attempt(&spec).unwrap();
+            let mut h = http::HeaderMap::new();
+            a.inject(&mut h);
+            a.end(&CallResult::<()>::Served(()));
+            super::note_body(body);
+            super::finish(&entry);
+        })
+        .await;
+    };
+    for _ in 0..2000 {
+        one().await;
+    }
+    let n = 50_000;
+    let t0 = std::time::Instant::now();
+    for i in 0..n {
+        one().await;
+        if i % 256 == 0 {
+            // Let the export task run on this thread: its CPU counts too.
+            tokio::task::yield_now().await;
+        }
+    }
+    super::flush(std::time::Duration::from_secs(5)).await;
+    let on = t0.elapsed().as_nanos() as f64 / n as f64;
+    super::shutdown(std::time::Duration::from_millis(200)).await;
+    let t0 = std::time::Instant::now();
+    let mut hits = 0u32;
+    for _ in 0..n {
+        if std::hint::black_box(super::get()).is_some() {
+            hits += 1;
+        }
+    }
+    let off = t0.elapsed().as_nanos() as f64 / n as f64;
+    eprintln!("otel on: {on:.0} ns per request (spans + metrics + export encoding); off: {off:.1} ns ({hits})");
+}
