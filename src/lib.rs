@@ -6,6 +6,7 @@
 
 pub mod admin;
 pub mod audit;
+pub mod dialect;
 pub mod cli;
 pub mod estimate;
 pub mod governor;

@@ -25,6 +25,8 @@ pub struct Tail {
     pub snap: Arc<Snapshot>,
     pub audit: Audit,
     pub endpoint: &'static str,
+    /// The client's dialect, for the audit record and metrics.
+    pub api: &'static str,
     pub pending: Pending,
     pub record: Record,
     pub input_tokens: u64,
@@ -96,6 +98,7 @@ impl Metered {
             snap,
             audit,
             endpoint,
+            api,
             pending,
             mut record,
             input_tokens,
@@ -135,6 +138,7 @@ impl Metered {
         let entry = Entry {
             ts: now.to_string(),
             endpoint,
+            api,
             latency_ms: started.elapsed().as_secs_f64() * 1000.0,
             record,
         };
