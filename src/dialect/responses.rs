@@ -26,6 +26,12 @@ pub fn stateful(b: &Map<String, Value>) -> Option<&'static str> {
 pub fn parse(b: Map<String, Value>) -> Result<Map<String, Value>, String> {
     let mut o = Map::new();
     copy(&b, "model", &mut o, "model");
+    if stateful(&b).is_some() {
+        // Kept so the entry check sees them; such a request never goes to a translated entry.
+        for k in ["previous_response_id", "background", "store"] {
+            copy(&b, k, &mut o, k);
+        }
+    }
     let mut messages = Vec::new();
     if let Some(i) = b.get("instructions").and_then(Value::as_str) {
         messages.push(json!({"role": "system", "content": i}));
