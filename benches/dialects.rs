@@ -20,7 +20,10 @@ fn history() -> Vec<(String, String)> {
     (0..20)
         .map(|i| {
             let role = if i % 2 == 0 { "user" } else { "assistant" };
-            (role.to_string(), format!("message {i}: {}", "lorem ipsum dolor sit amet ".repeat(8)))
+            (
+                role.to_string(),
+                format!("message {i}: {}", "lorem ipsum dolor sit amet ".repeat(8)),
+            )
         })
         .collect()
 }
@@ -28,7 +31,10 @@ fn history() -> Vec<(String, String)> {
 /// The same 21-message conversation in each dialect's request shape.
 fn bodies() -> Vec<(&'static str, Inbound, Vec<u8>)> {
     let h = history();
-    let chat: Vec<Value> = h.iter().map(|(r, c)| json!({"role": r, "content": c})).collect();
+    let chat: Vec<Value> = h
+        .iter()
+        .map(|(r, c)| json!({"role": r, "content": c}))
+        .collect();
     let gemini: Vec<Value> = h
         .iter()
         .map(|(r, c)| json!({"role": if r == "assistant" { "model" } else { "user" }, "parts": [{"text": c}]}))

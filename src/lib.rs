@@ -6,8 +6,8 @@
 
 pub mod admin;
 pub mod audit;
-pub mod dialect;
 pub mod cli;
+pub mod dialect;
 pub mod estimate;
 pub mod governor;
 pub mod ledger;

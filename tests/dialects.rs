@@ -147,7 +147,9 @@ async fn anthropic_refusals_have_anthropic_shape() {
     let (st, _, b) = post_json(&url, &body, &[]).await;
     assert_eq!(st, 404);
     assert_eq!(json(&b)["error"]["type"], "not_found_error");
-    let (st, _, b) = common::try_post_raw(&url, "{not json".into(), &[]).await.unwrap();
+    let (st, _, b) = common::try_post_raw(&url, "{not json".into(), &[])
+        .await
+        .unwrap();
     assert_eq!(st, 400);
     assert_eq!(json(&b)["error"]["type"], "invalid_request_error");
     // Under the prefix but not an endpoint: refused in the dialect, never forwarded.
@@ -274,10 +276,7 @@ async fn gemini_generate_stream_count_embed_and_list() {
     .await;
     let arr = json(&s.body());
     assert!(arr.is_array(), "{arr}");
-    assert_eq!(
-        arr[0]["candidates"][0]["content"]["parts"][0]["text"],
-        "c"
-    );
+    assert_eq!(arr[0]["candidates"][0]["content"]["parts"][0]["text"], "c");
 
     // countTokens: never calls upstream.
     let hits = up.hits();
@@ -453,9 +452,7 @@ async fn responses_buffered_streamed_and_stateful_refused() {
     let (st, h, _) = post_json(&url, &st_body, &[]).await;
     assert!(st >= 400, "{st}");
     assert_eq!(up.hits(), hits);
-    let a = sc
-        .audit(h["x-tollgate-request-id"].to_str().unwrap())
-        .await;
+    let a = sc.audit(h["x-tollgate-request-id"].to_str().unwrap()).await;
     assert_eq!(a["api"], "responses");
     assert!(a.to_string().contains("untranslatable"), "{a}");
 }

@@ -72,7 +72,11 @@ async fn run(py: &PathBuf, script: &str, mode: &str, sc: &Sidecar) -> Value {
         out.status.success(),
         "{script} {mode} failed\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
     );
-    let line = stdout.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("");
     serde_json::from_str(line)
         .unwrap_or_else(|e| panic!("{script} printed no JSON ({e})\n{stdout}\n{stderr}"))
 }
@@ -131,9 +135,21 @@ async fn sdk_anthropic_create_stream_count_and_errors() {
     assert_eq!(v["create"]["type"], "Message", "{v}");
     assert_eq!(v["create"]["text"], "Hello from the mock.");
     assert_eq!(v["create"]["stop_reason"], "end_turn");
-    assert_eq!((v["create"]["input"].as_u64(), v["create"]["output"].as_u64()), (Some(21), Some(5)));
+    assert_eq!(
+        (
+            v["create"]["input"].as_u64(),
+            v["create"]["output"].as_u64()
+        ),
+        (Some(21), Some(5))
+    );
     assert_eq!(v["stream"]["text"], "Hello");
-    assert_eq!((v["stream"]["input"].as_u64(), v["stream"]["output"].as_u64()), (Some(17), Some(2)));
+    assert_eq!(
+        (
+            v["stream"]["input"].as_u64(),
+            v["stream"]["output"].as_u64()
+        ),
+        (Some(17), Some(2))
+    );
     assert!(v["count"].as_u64().unwrap() > 0, "{v}");
 
     let up = MockUpstream::start(vec![]).await;
@@ -159,7 +175,13 @@ async fn sdk_anthropic_falls_back_to_gemini() {
     let sc = Sidecar::start(&fallback_policy(&root(&claude), &root(&gemini))).await;
     let v = run(&py, "dialect_anthropic.py", "fallback", &sc).await;
     assert_eq!(v["create"]["text"], "From Gemini.", "{v}");
-    assert_eq!((v["create"]["input"].as_u64(), v["create"]["output"].as_u64()), (Some(12), Some(4)));
+    assert_eq!(
+        (
+            v["create"]["input"].as_u64(),
+            v["create"]["output"].as_u64()
+        ),
+        (Some(12), Some(4))
+    );
     assert_eq!(v["stream"]["text"], "Gemini");
     assert_eq!(v["stream"]["output"], 3);
 }
@@ -220,7 +242,13 @@ async fn sdk_ollama_chat_stream_generate_embed_list_and_errors() {
     let v = run(&py, "dialect_ollama.py", "ok", &sc).await;
     assert_eq!(v["chat"]["text"], "Hello from the mock.", "{v}");
     assert_eq!(v["chat"]["done"], true);
-    assert_eq!((v["chat"]["prompt_eval_count"].as_u64(), v["chat"]["eval_count"].as_u64()), (Some(21), Some(5)));
+    assert_eq!(
+        (
+            v["chat"]["prompt_eval_count"].as_u64(),
+            v["chat"]["eval_count"].as_u64()
+        ),
+        (Some(21), Some(5))
+    );
     assert_eq!(v["stream"]["text"], "Hello");
     assert_eq!(v["stream"]["eval_count"], 2);
     assert_eq!(v["generate"], "Generated.");
@@ -263,7 +291,13 @@ async fn sdk_responses_create_stream_and_errors() {
     let v = run(&py, "dialect_responses.py", "ok", &sc).await;
     assert_eq!(v["create"]["type"], "Response", "{v}");
     assert_eq!(v["create"]["text"], "Hello from the mock.");
-    assert_eq!((v["create"]["input"].as_u64(), v["create"]["output"].as_u64()), (Some(21), Some(5)));
+    assert_eq!(
+        (
+            v["create"]["input"].as_u64(),
+            v["create"]["output"].as_u64()
+        ),
+        (Some(21), Some(5))
+    );
     assert_eq!(v["stream"]["text"], "Hello");
     assert_eq!(v["stream"]["final_text"], "Hello");
     assert_eq!(v["stream"]["output"], 2);

@@ -106,7 +106,11 @@ fn message(role: &str, content: Option<&Value>, out: &mut Vec<Value>) -> Result<
             }
             // Thinking blocks of earlier turns carry no billable input the estimate needs.
             Some("thinking" | "redacted_thinking") => {}
-            other => return Err(format!("content blocks of type {other:?} are not supported")),
+            other => {
+                return Err(format!(
+                    "content blocks of type {other:?} are not supported"
+                ))
+            }
         }
     }
     if !parts.is_empty() || !calls.is_empty() {

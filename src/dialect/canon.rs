@@ -111,7 +111,10 @@ pub enum Event<'a> {
         name: &'a str,
     },
     /// More of a tool call's arguments (JSON text, split anywhere).
-    ToolArgs { index: u64, args: &'a str },
+    ToolArgs {
+        index: u64,
+        args: &'a str,
+    },
     Finish(&'a str),
     Usage(Usage),
     /// The stream failed (an upstream error, a guard stop): the message.

@@ -67,7 +67,12 @@ pub fn parse(inb: &Inbound, b: Map<String, Value>) -> Result<Map<String, Value>,
         }
     }
     let mut tools = Vec::new();
-    for t in g.get("tools").and_then(Value::as_array).into_iter().flatten() {
+    for t in g
+        .get("tools")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
         for f in field(t, "functionDeclarations", "function_declarations")
             .and_then(Value::as_array)
             .into_iter()
@@ -105,7 +110,12 @@ fn content(c: &Value, out: &mut Vec<Value>) -> Result<(), String> {
     };
     let mut parts = Vec::new();
     let mut calls = Vec::new();
-    for p in c.get("parts").and_then(Value::as_array).into_iter().flatten() {
+    for p in c
+        .get("parts")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
         if let Some(t) = p.get("text").and_then(Value::as_str) {
             parts.push(json!({"type": "text", "text": t}));
         } else if let Some(d) = field(p, "inlineData", "inline_data") {

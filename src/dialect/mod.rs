@@ -267,7 +267,9 @@ pub fn list_body(d: Dialect, aliases: &[&str]) -> Value {
     match d {
         Dialect::Gemini => gemini::list(aliases),
         Dialect::Ollama => ollama::tags(aliases),
-        _ => serde_json::json!({"object": "list", "data": aliases.iter().map(|a| serde_json::json!({"id": a, "object": "model", "created": 0, "owned_by": "tollgate"})).collect::<Vec<_>>()}),
+        _ => {
+            serde_json::json!({"object": "list", "data": aliases.iter().map(|a| serde_json::json!({"id": a, "object": "model", "created": 0, "owned_by": "tollgate"})).collect::<Vec<_>>()})
+        }
     }
 }
 

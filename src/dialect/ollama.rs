@@ -187,9 +187,11 @@ pub fn answer(inb: &Inbound, m: &Meta, a: &Answer) -> Value {
 pub fn tags(aliases: &[&str]) -> Value {
     let models: Vec<Value> = aliases
         .iter()
-        .map(|a| json!({"name": a, "model": a, "modified_at": "1970-01-01T00:00:00Z", "size": 0,
+        .map(|a| {
+            json!({"name": a, "model": a, "modified_at": "1970-01-01T00:00:00Z", "size": 0,
             "digest": "", "details": {"format": "", "family": "tollgate", "families": null,
-            "parameter_size": "", "quantization_level": ""}}))
+            "parameter_size": "", "quantization_level": ""}})
+        })
         .collect();
     json!({"models": models})
 }

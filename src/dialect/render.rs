@@ -46,10 +46,9 @@ impl StreamRender {
             Dialect::OpenAi => return None,
             Dialect::Anthropic => StreamRender::Anthropic(anthropic::Stream::new(meta)),
             Dialect::Gemini => StreamRender::Gemini(gemini::Stream::new(meta, inb.sse)),
-            Dialect::Ollama => StreamRender::Ollama(ollama::Stream::new(
-                meta,
-                inb.op == Op::OllamaGenerate,
-            )),
+            Dialect::Ollama => {
+                StreamRender::Ollama(ollama::Stream::new(meta, inb.op == Op::OllamaGenerate))
+            }
             Dialect::Responses => StreamRender::Responses(responses::Stream::new(meta)),
         })
     }

@@ -55,9 +55,11 @@ pub fn parse(b: Map<String, Value>) -> Result<Map<String, Value>, String> {
             if x.get("type").and_then(Value::as_str) != Some("function") {
                 return Err("only function tools can be translated".into());
             }
-            t.push(json!({"type": "function", "function": {"name": x.get("name"),
+            t.push(
+                json!({"type": "function", "function": {"name": x.get("name"),
                 "description": x.get("description"),
-                "parameters": x.get("parameters").cloned().unwrap_or(json!({"type": "object"}))}}));
+                "parameters": x.get("parameters").cloned().unwrap_or(json!({"type": "object"}))}}),
+            );
         }
         o.insert("tools".into(), Value::Array(t));
     }
@@ -70,9 +72,11 @@ pub fn parse(b: Map<String, Value>) -> Result<Map<String, Value>, String> {
 fn item(it: &Value, out: &mut Vec<Value>) -> Result<(), String> {
     match it.get("type").and_then(Value::as_str) {
         Some("function_call") => {
-            out.push(json!({"role": "assistant", "content": null, "tool_calls": [{
+            out.push(
+                json!({"role": "assistant", "content": null, "tool_calls": [{
             "id": it.get("call_id"), "type": "function", "function": {"name": it.get("name"),
-            "arguments": it.get("arguments").and_then(Value::as_str).unwrap_or("{}")}}]}));
+            "arguments": it.get("arguments").and_then(Value::as_str).unwrap_or("{}")}}]}),
+            );
             return Ok(());
         }
         Some("function_call_output") => {
@@ -85,7 +89,11 @@ fn item(it: &Value, out: &mut Vec<Value>) -> Result<(), String> {
             return Ok(());
         }
         None | Some("message") => {}
-        Some(other) => return Err(format!("input items of type {other:?} cannot be translated")),
+        Some(other) => {
+            return Err(format!(
+                "input items of type {other:?} cannot be translated"
+            ))
+        }
     }
     let role = match it.get("role").and_then(Value::as_str) {
         Some("developer") => "system",
@@ -110,7 +118,9 @@ fn item(it: &Value, out: &mut Vec<Value>) -> Result<(), String> {
                         ps.push(json!({"type": "image_url", "image_url": iu}));
                     }
                     other => {
-                        return Err(format!("content parts of type {other:?} cannot be translated"))
+                        return Err(format!(
+                            "content parts of type {other:?} cannot be translated"
+                        ))
                     }
                 }
             }
@@ -128,7 +138,13 @@ fn usage_json(u: Usage) -> Value {
            "total_tokens": u.input + u.output})
 }
 
-fn response(m: &Meta, status: &str, output: Vec<Value>, usage: Option<Usage>, finish: &str) -> Value {
+fn response(
+    m: &Meta,
+    status: &str,
+    output: Vec<Value>,
+    usage: Option<Usage>,
+    finish: &str,
+) -> Value {
     let incomplete = if finish == "length" {
         json!({"reason": "max_output_tokens"})
     } else {
@@ -236,8 +252,12 @@ impl Stream {
             json!({"output_index": 0, "item": item}),
         );
         let id = format!("msg_{}", self.meta.id);
-        self.event(out, "response.content_part.added", json!({"item_id": id, "output_index": 0,
-            "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}}));
+        self.event(
+            out,
+            "response.content_part.added",
+            json!({"item_id": id, "output_index": 0,
+            "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}}),
+        );
     }
 
     pub fn on(&mut self, ev: Event<'_>, out: &mut Vec<u8>) {
@@ -250,8 +270,12 @@ impl Stream {
                 self.open_message(out);
                 self.text.push_str(t);
                 let id = format!("msg_{}", self.meta.id);
-                self.event(out, "response.output_text.delta", json!({"item_id": id,
-                    "output_index": 0, "content_index": 0, "delta": t, "logprobs": []}));
+                self.event(
+                    out,
+                    "response.output_text.delta",
+                    json!({"item_id": id,
+                    "output_index": 0, "content_index": 0, "delta": t, "logprobs": []}),
+                );
             }
             Event::ToolStart { id, name, .. } => self.tools.push(super::ToolCall {
                 id: id.to_string(),
@@ -288,8 +312,12 @@ impl Stream {
             self.open_message(out);
             let id = format!("msg_{}", self.meta.id);
             let text = std::mem::take(&mut self.text);
-            self.event(out, "response.output_text.done", json!({"item_id": id, "output_index": 0,
-                "content_index": 0, "text": text, "logprobs": []}));
+            self.event(
+                out,
+                "response.output_text.done",
+                json!({"item_id": id, "output_index": 0,
+                "content_index": 0, "text": text, "logprobs": []}),
+            );
             self.event(out, "response.content_part.done", json!({"item_id": id, "output_index": 0,
                 "content_index": 0, "part": {"type": "output_text", "text": text, "annotations": []}}));
             let item = message_item(&self.meta, &text, "completed");

@@ -50,7 +50,10 @@ fn render_split(inb: &Inbound) -> String {
 
 #[test]
 fn routes_each_dialect_and_refuses_the_rest_of_its_prefix() {
-    assert_eq!(found(Method::POST, "/v1/messages", None).dialect, Dialect::Anthropic);
+    assert_eq!(
+        found(Method::POST, "/v1/messages", None).dialect,
+        Dialect::Anthropic
+    );
     let g = found(
         Method::POST,
         "/v1beta/models/my-alias:streamGenerateContent",
@@ -63,7 +66,10 @@ fn routes_each_dialect_and_refuses_the_rest_of_its_prefix() {
     assert_eq!(g.path_model.as_deref(), Some("my-alias"));
     assert_eq!(g.query_key.as_deref(), Some("k1"));
     assert_eq!(found(Method::GET, "/api/tags", None).op, Op::List);
-    assert_eq!(found(Method::POST, "/v1/responses", None).dialect, Dialect::Responses);
+    assert_eq!(
+        found(Method::POST, "/v1/responses", None).dialect,
+        Dialect::Responses
+    );
     assert!(matches!(
         route(&Method::POST, "/api/pull", None),
         Some(Routed::NotFound(Dialect::Ollama))
@@ -96,10 +102,16 @@ fn anthropic_request_becomes_internal_chat() {
         o["messages"][1]["content"][1]["image_url"]["url"],
         "data:image/png;base64,AAAA"
     );
-    assert_eq!(o["messages"][2]["tool_calls"][0]["function"]["arguments"], "{\"a\":1}");
+    assert_eq!(
+        o["messages"][2]["tool_calls"][0]["function"]["arguments"],
+        "{\"a\":1}"
+    );
     assert_eq!(o["messages"][3]["role"], "tool");
     assert_eq!(o["stop"], json!(["X"]));
-    assert_eq!(o["tools"][0]["function"]["parameters"], json!({"type": "object"}));
+    assert_eq!(
+        o["tools"][0]["function"]["parameters"],
+        json!({"type": "object"})
+    );
     assert_eq!(o["stream_options"]["include_usage"], true);
 }
 
@@ -122,7 +134,10 @@ fn anthropic_stream_is_the_full_event_sequence() {
             "message_stop"
         ]
     );
-    assert!(out.contains(r#""usage":{"input_tokens":7,"output_tokens":2}"#), "{out}");
+    assert!(
+        out.contains(r#""usage":{"input_tokens":7,"output_tokens":2}"#),
+        "{out}"
+    );
 }
 
 #[test]
@@ -135,7 +150,10 @@ fn gemini_array_stream_is_valid_json_and_sse_is_not_an_array() {
     let out = render_split(&inb);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let arr = v.as_array().unwrap();
-    assert_eq!(arr.last().unwrap()["usageMetadata"]["candidatesTokenCount"], 2);
+    assert_eq!(
+        arr.last().unwrap()["usageMetadata"]["candidatesTokenCount"],
+        2
+    );
     inb.sse = true;
     let out = render_split(&inb);
     assert!(out.starts_with("data: "), "{out}");
@@ -146,14 +164,24 @@ fn ollama_stream_ends_with_done_and_counts() {
     let out = render_split(&found(Method::POST, "/api/chat", None));
     let last: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
     assert_eq!(last["done"], true);
-    assert_eq!((last["prompt_eval_count"].as_u64(), last["eval_count"].as_u64()), (Some(7), Some(2)));
+    assert_eq!(
+        (
+            last["prompt_eval_count"].as_u64(),
+            last["eval_count"].as_u64()
+        ),
+        (Some(7), Some(2))
+    );
 }
 
 #[test]
 fn responses_stream_completes_with_usage_and_stateful_is_flagged() {
     let inb = found(Method::POST, "/v1/responses", None);
     let out = render_split(&inb);
-    let last = out.lines().rev().find_map(|l| l.strip_prefix("data: ")).unwrap();
+    let last = out
+        .lines()
+        .rev()
+        .find_map(|l| l.strip_prefix("data: "))
+        .unwrap();
     let v: serde_json::Value = serde_json::from_str(last).unwrap();
     assert_eq!(v["type"], "response.completed");
     assert_eq!(v["response"]["output"][0]["content"][0]["text"], "Hello");

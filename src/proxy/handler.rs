@@ -111,7 +111,9 @@ async fn inbound(
         Op::List => Some(list(inb.dialect, &snap)),
         Op::Version => Some(serde_json::json!({"version": dialect::ollama::VERSION})),
         Op::Show => {
-            let body = read_body(req.into_body(), 64 * 1024).await.unwrap_or_default();
+            let body = read_body(req.into_body(), 64 * 1024)
+                .await
+                .unwrap_or_default();
             return show(&body, &snap);
         }
         _ => None,
@@ -121,7 +123,15 @@ async fn inbound(
     }
     let mut meta = Meta::default();
     let fut: std::pin::Pin<Box<dyn std::future::Future<Output = Response<Body>> + Send + '_>> =
-        Box::pin(governed(&app, snap, inb.endpoint(), &inb, &mut meta, req, t0));
+        Box::pin(governed(
+            &app,
+            snap,
+            inb.endpoint(),
+            &inb,
+            &mut meta,
+            req,
+            t0,
+        ));
     let resp = fut.await;
     Rendered::respond(inb, meta, resp).await
 }
@@ -186,7 +196,10 @@ async fn governed(
         api: inb.dialect,
     };
     // Dialects carry the key in their own header (or query): identify reads one bearer.
-    if let Some(v) = inb.bearer(&parts.headers).and_then(|b| HeaderValue::from_str(&b).ok()) {
+    if let Some(v) = inb
+        .bearer(&parts.headers)
+        .and_then(|b| HeaderValue::from_str(&b).ok())
+    {
         parts.headers.insert(http::header::AUTHORIZATION, v);
     }
 
