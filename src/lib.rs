@@ -7,6 +7,7 @@
 pub mod admin;
 pub mod audit;
 pub mod cli;
+pub mod dialect;
 pub mod estimate;
 pub mod governor;
 pub mod ledger;

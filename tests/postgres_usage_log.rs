@@ -455,6 +455,7 @@ async fn a_retried_batch_is_not_duplicated() {
             usage_row(&Entry {
                 ts: jiff::Timestamp::now().to_string(),
                 endpoint: "chat.completions",
+                api: "openai",
                 latency_ms: 1.0,
                 record: rec,
             })
@@ -498,6 +499,7 @@ async fn rows_spilled_while_postgres_is_down_are_loaded_at_the_next_start() {
         let e = Entry {
             ts: jiff::Timestamp::now().to_string(),
             endpoint: "chat.completions",
+            api: "openai",
             latency_ms: 1.0,
             record: rec,
         };

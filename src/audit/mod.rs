@@ -43,6 +43,8 @@ pub enum AuditError {
 pub struct Entry {
     pub ts: String,
     pub endpoint: &'static str,
+    /// The client's dialect (`openai`, `anthropic`, `gemini`, `ollama`, `responses`).
+    pub api: &'static str,
     /// Wall time of the whole request in the sidecar, ms.
     pub latency_ms: f64,
     #[serde(flatten)]

@@ -212,6 +212,7 @@ mod tests {
         Entry {
             ts: "2026-11-30T02:58:23.5Z".into(),
             endpoint: "chat.completions",
+            api: "openai",
             latency_ms: 12.6,
             record: r,
         }

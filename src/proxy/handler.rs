@@ -9,6 +9,7 @@ use super::snapshot::Snapshot;
 use super::stream;
 use super::transport::{Call, Transport, UpBody, UpstreamResponse};
 use crate::audit::{Audit, Entry};
+use crate::dialect::{self, render::Meta, Dialect, Inbound, Op, Rendered, Routed};
 use crate::estimate::{self, Endpoint, Estimate};
 use crate::governor::{
     Governor, Outcome, ReasonClass, Record, RequestCtx, Served, SystemClock, Usage, UsageEvidence,
@@ -56,6 +57,17 @@ fn endpoint_name(e: Endpoint) -> &'static str {
 pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
     let t0 = Instant::now();
     let snap = app.snap.load_full();
+    let routed = dialect::route(req.method(), req.uri().path(), req.uri().query());
+    let routed = match routed {
+        Some(Routed::Found(inb)) => {
+            // Boxed as a `Send` future: rustc cannot otherwise prove the dialect path's
+            // future Send for every lifetime (a known limitation, rust-lang/rust#110338).
+            let fut: std::pin::Pin<Box<dyn std::future::Future<Output = Response<Body>> + Send>> =
+                Box::pin(inbound(app, snap, inb, req, t0));
+            return Ok(fut.await);
+        }
+        other => other,
+    };
     let endpoint = match (req.method(), req.uri().path()) {
         (&Method::POST, "/v1/chat/completions") => Endpoint::Chat,
         (&Method::POST, "/v1/completions") => Endpoint::Completions,
@@ -74,34 +86,94 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Bo
         (_, p @ super::limits_view::PATH) => {
             let rec = bare_record(&snap, p, 405);
             let resp = respond::refusal(&Refusal::MethodNotAllowed, &rec, &snap);
-            finish_as(&app, "unknown", rec, t0).await;
+            finish_as(&app, "unknown", Dialect::OpenAi, rec, t0).await;
             return Ok(resp);
         }
         (_, p) => {
-            // Not governed, but audited and counted like every other refusal.
+            // Not governed, but audited and counted like every other refusal, in the
+            // shape of the dialect whose path prefix it used.
             let governed_path = matches!(
                 p,
                 "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" | "/v1/models"
             );
-            let (r, status) = if governed_path {
-                (Refusal::MethodNotAllowed, 405)
-            } else {
-                (Refusal::NotFound(p.to_string()), 404)
+            let (d, r, status) = match routed {
+                Some(Routed::MethodNotAllowed(d)) => (d, Refusal::MethodNotAllowed, 405),
+                Some(Routed::NotFound(d) | Routed::Found(Inbound { dialect: d, .. })) => {
+                    (d, Refusal::NotFound(p.to_string()), 404)
+                }
+                None if governed_path => (Dialect::OpenAi, Refusal::MethodNotAllowed, 405),
+                None => (Dialect::OpenAi, Refusal::NotFound(p.to_string()), 404),
             };
             let rec = bare_record(&snap, p, status);
-            let resp = respond::refusal(&r, &rec, &snap);
-            finish_as(&app, "unknown", rec, t0).await;
+            let resp = respond::refusal_in(d, &r, &rec, &snap);
+            finish_as(&app, "unknown", d, rec, t0).await;
             return Ok(resp);
         }
     };
-    match crate::telemetry::otel::get() {
-        None => Ok(governed(&app, snap, endpoint, req, t0).await),
-        Some(o) => {
-            let trace = o.start(req.headers(), endpoint);
-            let fut = governed(&app, snap, endpoint, req, t0);
-            Ok(crate::telemetry::otel::scope(trace, fut).await)
+    Ok(governed(&app, snap, endpoint, Inbound::openai(), req, t0)
+        .await
+        .0)
+}
+
+/// A request on another dialect's path: answered locally (listings) or governed in the
+/// internal form and rendered back in the dialect.
+async fn inbound(
+    app: Arc<App>,
+    snap: Arc<Snapshot>,
+    inb: Inbound,
+    req: Request<Incoming>,
+    t0: Instant,
+) -> Response<Body> {
+    let op = inb.op;
+    let local = match op {
+        Op::List => Some(list(inb.dialect, &snap)),
+        Op::Version => Some(serde_json::json!({"version": dialect::ollama::VERSION})),
+        Op::Show => {
+            let body = read_body(req.into_body(), 64 * 1024)
+                .await
+                .unwrap_or_default();
+            return show(&body, &snap);
         }
+        _ => None,
+    };
+    if let Some(v) = local {
+        return local_json(v);
     }
+    let endpoint = inb.endpoint();
+    let (resp, meta) = governed(&app, snap, endpoint, inb.clone(), req, t0).await;
+    Rendered::respond(inb, meta, resp).await
+}
+
+/// Ollama's `/api/show` of a route alias.
+fn show(body: &[u8], snap: &Snapshot) -> Response<Body> {
+    #[derive(Deserialize)]
+    struct Show {
+        #[serde(default)]
+        model: String,
+    }
+    let model = serde_json::from_slice::<Show>(body)
+        .map(|s| s.model)
+        .unwrap_or_default();
+    if snap.policy.route(&model).is_none() {
+        let rec = bare_record(snap, "/api/show", 404);
+        let r = Refusal::UnknownModel(model);
+        return respond::refusal_in(Dialect::Ollama, &r, &rec, snap);
+    }
+    local_json(dialect::ollama::show(&model))
+}
+
+fn list(d: Dialect, snap: &Snapshot) -> serde_json::Value {
+    let aliases: Vec<&str> = snap.policy.routes.iter().map(|r| &*r.model).collect();
+    dialect::list_body(d, &aliases)
+}
+
+fn local_json(v: serde_json::Value) -> Response<Body> {
+    let mut r = Response::new(full(v.to_string()));
+    r.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r
 }
 
 /// Longest path kept as the route of an unknown endpoint's record.
@@ -169,16 +241,26 @@ async fn governed(
     app: &Arc<App>,
     snap: Arc<Snapshot>,
     endpoint: Endpoint,
+    inb: Inbound,
     req: Request<Incoming>,
     t0: Instant,
-) -> Response<Body> {
+) -> (Response<Body>, Meta) {
     let gone = Arc::new(AtomicBool::new(false));
     let mut watch = Watch(Some(gone.clone()));
     let app = app.clone();
+    // The request's trace (when OTLP export is on) lives in the task that does the work.
+    let trace = crate::telemetry::otel::get().map(|o| o.start(req.headers(), endpoint));
     let work = CLIENT_GONE.scope(gone, async move {
-        governed_here(&app, snap, endpoint, req, t0).await
+        let mut meta = Meta::default();
+        let fut: std::pin::Pin<Box<dyn std::future::Future<Output = Response<Body>> + Send + '_>> =
+            Box::pin(governed_here(&app, snap, endpoint, &inb, &mut meta, req, t0));
+        let resp = match trace {
+            None => fut.await,
+            Some(t) => crate::telemetry::otel::scope(t, fut).await,
+        };
+        (resp, meta)
     });
-    let resp = match tokio::spawn(work).await {
+    let out = match tokio::spawn(work).await {
         Ok(r) => r,
         Err(e) => {
             tracing::error!(error = %e, "the governed request task failed");
@@ -186,11 +268,11 @@ async fn governed(
                 b"{\"error\":{\"message\":\"internal error\",\"type\":\"tollgate_error\",\"param\":null,\"code\":\"internal_error\"}}",
             )));
             *r.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
-            r
+            (r, Meta::default())
         }
     };
     watch.0 = None;
-    resp
+    out
 }
 
 /// Whether the client of the request this task serves has gone away.
@@ -204,11 +286,24 @@ async fn governed_here(
     app: &App,
     snap: Arc<Snapshot>,
     endpoint: Endpoint,
+    inb: &Inbound,
+    meta: &mut Meta,
     req: Request<Incoming>,
     t0: Instant,
 ) -> Response<Body> {
     let (mut parts, body) = req.into_parts();
     let policy = &snap.policy;
+    let site = Site {
+        endpoint,
+        api: inb.dialect,
+    };
+    // Dialects carry the key in their own header (or query): identify reads one bearer.
+    if let Some(v) = inb
+        .bearer(&parts.headers)
+        .and_then(|b| HeaderValue::from_str(&b).ok())
+    {
+        parts.headers.insert(http::header::AUTHORIZATION, v);
+    }
 
     // Identify.
     let who = match identify(&parts.headers, &snap) {
@@ -235,7 +330,7 @@ async fn governed_here(
                 Arc::from("none"),
                 Arc::from(""),
             );
-            return early(app, &snap, endpoint, refusal, rec, reason, t0).await;
+            return early(app, &snap, site, refusal, rec, reason, t0).await;
         }
     };
     let mut rec = Record::new(
@@ -282,7 +377,7 @@ async fn governed_here(
             return early(
                 app,
                 &snap,
-                endpoint,
+                site,
                 Refusal::TooLarge { limit },
                 rec,
                 ReasonClass::BadRequest,
@@ -299,7 +394,7 @@ async fn governed_here(
                 param: None,
                 code: "body_timeout",
             };
-            return early(app, &snap, endpoint, r, rec, ReasonClass::BadRequest, t0).await;
+            return early(app, &snap, site, r, rec, ReasonClass::BadRequest, t0).await;
         }
         Err(BodyError::Broken(e)) => {
             let r = Refusal::BadRequest {
@@ -307,20 +402,25 @@ async fn governed_here(
                 param: None,
                 code: "bad_body",
             };
-            return early(app, &snap, endpoint, r, rec, ReasonClass::BadRequest, t0).await;
+            return early(app, &snap, site, r, rec, ReasonClass::BadRequest, t0).await;
         }
     };
 
     // Parse and estimate.
-    let body: serde_json::Map<String, serde_json::Value> = match serde_json::from_slice(&bytes) {
+    let parsed = match inb.dialect {
+        Dialect::OpenAi => serde_json::from_slice(&bytes)
+            .map_err(|e| format!("the request body is not a JSON object: {e}")),
+        _ => inb.parse(&bytes),
+    };
+    let body: serde_json::Map<String, serde_json::Value> = match parsed {
         Ok(v) => v,
-        Err(e) => {
+        Err(message) => {
             let r = Refusal::BadRequest {
-                message: format!("the request body is not a JSON object: {e}"),
+                message,
                 param: None,
                 code: "invalid_json",
             };
-            return early(app, &snap, endpoint, r, rec, ReasonClass::BadRequest, t0).await;
+            return early(app, &snap, site, r, rec, ReasonClass::BadRequest, t0).await;
         }
     };
     let est: Estimate = match estimate::estimate_object(endpoint, &body, policy.estimate.tokenizer)
@@ -332,9 +432,23 @@ async fn governed_here(
                 param: e.param().map(str::to_string),
                 code: e.code(),
             };
-            return early(app, &snap, endpoint, r, rec, ReasonClass::BadRequest, t0).await;
+            return early(app, &snap, site, r, rec, ReasonClass::BadRequest, t0).await;
         }
     };
+
+    *meta = Meta {
+        model: est.model.clone(),
+        id: who.request_id.to_string(),
+        created: jiff::Timestamp::now().as_second(),
+        input_estimate: est.input_tokens,
+        stream: est.stream,
+        local: false,
+    };
+    if inb.op == Op::Count {
+        // Counting is answered from the estimate and never charged.
+        meta.local = true;
+        return local_json(dialect::count_body(inb.dialect, est.input_tokens));
+    }
 
     // Route.
     let Some(route) = policy.route(&est.model) else {
@@ -342,7 +456,7 @@ async fn governed_here(
         return early(
             app,
             &snap,
-            endpoint,
+            site,
             Refusal::UnknownModel(est.model.clone()),
             rec,
             ReasonClass::BadRequest,
@@ -371,6 +485,7 @@ async fn governed_here(
         client_headers: &parts.headers,
         stream: est.stream,
         add_include_usage: est.stream && !est.include_usage && endpoint != Endpoint::Embeddings,
+        untranslatable: inb.untranslatable(&body),
     };
     let Outcome { record, served } = app
         .governor
@@ -397,7 +512,7 @@ async fn governed_here(
                     let b = redact::bytes(&snap, b);
                     let mut resp = upstream_response(status, &headers, full(b), &rec, &snap);
                     cap_header(&mut resp, &rec, endpoint, est.max_output_tokens);
-                    finish(app, endpoint, rec, t0).await;
+                    finish(app, site, rec, t0).await;
                     resp
                 }
                 UpBody::Stream(incoming) => {
@@ -409,6 +524,7 @@ async fn governed_here(
                         snap: snap.clone(),
                         audit: app.audit.clone(),
                         endpoint: endpoint_name(endpoint),
+                        api: site.api.as_str(),
                         pending,
                         record: rec.clone(),
                         input_tokens: est.input_tokens,
@@ -433,18 +549,18 @@ async fn governed_here(
             };
             let b = redact::bytes(&snap, b);
             let resp = upstream_response(payload.status, &payload.headers, full(b), &rec, &snap);
-            finish(app, endpoint, rec, t0).await;
+            finish(app, site, rec, t0).await;
             resp
         }
         Served::Static(text) => {
             let resp =
                 respond::static_answer(&text, endpoint, est.stream, est.include_usage, &rec, &snap);
-            finish(app, endpoint, rec, t0).await;
+            finish(app, site, rec, t0).await;
             resp
         }
         Served::Refused => {
             let resp = respond::refusal(&Refusal::Governed, &rec, &snap);
-            finish(app, endpoint, rec, t0).await;
+            finish(app, site, rec, t0).await;
             resp
         }
     }
@@ -503,7 +619,7 @@ async fn read_body(mut body: Incoming, limit: usize) -> Result<Bytes, BodyError>
 async fn early(
     app: &App,
     snap: &Snapshot,
-    endpoint: Endpoint,
+    site: Site,
     r: Refusal,
     rec: Record,
     reason: ReasonClass,
@@ -512,8 +628,15 @@ async fn early(
     let status = r.status(&rec).as_u16();
     let rec = rec.refused_early(reason, status, format!("{r:?}"));
     let resp = respond::refusal(&r, &rec, snap);
-    finish(app, endpoint, rec, t0).await;
+    finish(app, site, rec, t0).await;
     resp
+}
+
+/// Where a request came in: the internal endpoint and the client's dialect.
+#[derive(Debug, Clone, Copy)]
+struct Site {
+    endpoint: Endpoint,
+    api: Dialect,
 }
 
 fn upstream_response(
@@ -538,11 +661,17 @@ fn upstream_response(
     resp
 }
 
-async fn finish(app: &App, endpoint: Endpoint, record: Record, t0: Instant) {
-    finish_as(app, endpoint_name(endpoint), record, t0).await
+async fn finish(app: &App, site: Site, record: Record, t0: Instant) {
+    finish_as(app, endpoint_name(site.endpoint), site.api, record, t0).await
 }
 
-async fn finish_as(app: &App, endpoint: &'static str, mut record: Record, t0: Instant) {
+async fn finish_as(
+    app: &App,
+    endpoint: &'static str,
+    api: Dialect,
+    mut record: Record,
+    t0: Instant,
+) {
     if client_gone() {
         record.client_disconnected = true;
     }
@@ -550,6 +679,7 @@ async fn finish_as(app: &App, endpoint: &'static str, mut record: Record, t0: In
     let entry = Entry {
         ts: now.to_string(),
         endpoint,
+        api: api.as_str(),
         latency_ms: t0.elapsed().as_secs_f64() * 1000.0,
         record,
     };

@@ -2,6 +2,7 @@
 //! One exhaustive mapping from what went wrong to an HTTP status and an OpenAI error body.
 
 use super::snapshot::Snapshot;
+use crate::dialect::Dialect;
 use crate::estimate::Endpoint;
 use crate::governor::limits::LimitDetail;
 use crate::governor::{FinalAction, ReasonClass, Record};
@@ -252,15 +253,23 @@ pub fn stamp(h: &mut HeaderMap, rec: &Record, snap: &Snapshot) {
 
 /// The OpenAI-style error response for a refusal, stamped with the record.
 pub fn refusal(r: &Refusal, rec: &Record, snap: &Snapshot) -> Response<Body> {
+    refusal_in(Dialect::OpenAi, r, rec, snap)
+}
+
+/// The error response for a refusal in the client's dialect (SPEC §3.1), stamped.
+pub fn refusal_in(api: Dialect, r: &Refusal, rec: &Record, snap: &Snapshot) -> Response<Body> {
     let status = r.status(rec);
     let (ty, code, param, message) = r.parts(rec);
     // The decision sits beside `error` (SPEC §3) and inside it too: SDKs keep only the
     // `error` object as the exception's body (`e.body["tollgate"]` in the OpenAI SDKs).
     let t = tollgate_object(rec);
-    let body = json!({
-        "error": {"message": message, "type": ty, "code": code, "param": param, "tollgate": t.clone()},
-        "tollgate": t,
-    });
+    let body = match api {
+        Dialect::OpenAi | Dialect::Responses => json!({
+            "error": {"message": message, "type": ty, "code": code, "param": param, "tollgate": t.clone()},
+            "tollgate": t,
+        }),
+        d => crate::dialect::error_body(d, status.as_u16(), &message, Some(&t), rec.retry_after),
+    };
     let mut resp = Response::new(full(body.to_string()));
     *resp.status_mut() = status;
     resp.headers_mut().insert(

@@ -24,6 +24,8 @@ pub struct Tail {
     pub snap: Arc<Snapshot>,
     pub audit: Audit,
     pub endpoint: &'static str,
+    /// The client's dialect, for the audit record and metrics.
+    pub api: &'static str,
     pub pending: Pending,
     pub record: Record,
     pub input_tokens: u64,
@@ -118,6 +120,7 @@ impl Metered {
             snap,
             audit,
             endpoint,
+            api,
             pending,
             mut record,
             input_tokens,
@@ -180,6 +183,7 @@ impl Metered {
         let entry = Entry {
             ts: now.to_string(),
             endpoint,
+            api,
             latency_ms: started.elapsed().as_secs_f64() * 1000.0,
             record,
         };

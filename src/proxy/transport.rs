@@ -162,6 +162,9 @@ pub struct Call<'a> {
     pub stream: bool,
     /// Ask the upstream for the usage chunk (the client did not).
     pub add_include_usage: bool,
+    /// Why no translated entry can serve this request (a stateful Responses request):
+    /// every entry is skipped as untranslatable.
+    pub untranslatable: Option<&'static str>,
 }
 
 /// Client headers that never go upstream: hop-by-hop, credentials, our own.
@@ -224,6 +227,9 @@ impl Call<'_> {
         provider: &dyn Provider,
     ) -> Result<Request<Full<Bytes>>, Untranslatable> {
         let backend = spec.backend;
+        if let Some(why) = self.untranslatable {
+            return Err(Untranslatable(why.into()));
+        }
         let native = provider.request(&BuildCtx {
             base_url: &backend.base_url,
             endpoint: self.endpoint,

@@ -34,6 +34,8 @@ pub struct Telemetry {
     /// `tollgate_decisions_total` per (action, reason), resolved once: index
     /// `action × ReasonClass::ALL.len() + reason`. All series exist from the start, at 0.
     decisions: Vec<metrics::Counter>,
+    /// `tollgate_requests_total` per dialect, in `Dialect::ALL` order.
+    apis: Vec<metrics::Counter>,
     overhead: metrics::Histogram,
 }
 
@@ -51,8 +53,13 @@ pub fn global() -> &'static Telemetry {
                 })
             })
             .collect();
+        let apis = crate::dialect::Dialect::ALL
+            .iter()
+            .map(|d| metrics::counter!(TOLLGATE_REQUESTS_TOTAL, "api" => d.as_str()))
+            .collect();
         Telemetry {
             handle,
+            apis,
             stats: Stats::default(),
             alerts: alerts::Alerts::default(),
             decisions,
@@ -147,6 +154,13 @@ fn record(entry: &Entry, overhead: bool, today: UsageWindows) {
             c.increment(1);
         }
     }
+    if let Some(c) = crate::dialect::Dialect::ALL
+        .iter()
+        .position(|d| d.as_str() == entry.api)
+        .and_then(|i| t.apis.get(i))
+    {
+        c.increment(1);
+    }
     let now = jiff::Timestamp::now().as_millisecond();
     let minute = now.div_euclid(60_000);
     let mut upstream_ms = 0i64;
@@ -235,6 +249,7 @@ mod tests {
         let entry = Entry {
             ts: "2026-01-01T00:00:00Z".into(),
             endpoint: "chat.completions",
+            api: "openai",
             latency_ms: 3.2,
             record: rec,
         };

@@ -26,6 +26,9 @@ pub const TOLLGATE_QUOTA_USED_RATIO: &str = "tollgate_quota_used_ratio";
 pub const TOLLGATE_BUDGET_USED_RATIO: &str = "tollgate_budget_used_ratio";
 /// gauge: worst-case tokens reserved by calls in flight.
 pub const TOLLGATE_RESERVED_TOKENS: &str = "tollgate_reserved_tokens";
+/// counter {api}: governed requests by the client's dialect (openai, anthropic, gemini,
+/// ollama, responses).
+pub const TOLLGATE_REQUESTS_TOTAL: &str = "tollgate_requests_total";
 /// counter {result}: policy reload attempts.
 pub const TOLLGATE_POLICY_RELOADS_TOTAL: &str = "tollgate_policy_reloads_total";
 /// gauge {version}: 1 for the version in force.
@@ -53,6 +56,11 @@ pub const OVERHEAD_BUCKETS: &[f64] = &[
 
 /// Registers help text and units with the recorder in force.
 pub fn describe() {
+    describe_counter!(
+        TOLLGATE_REQUESTS_TOTAL,
+        Unit::Count,
+        "Governed requests by the client's dialect (api)"
+    );
     describe_counter!(
         AI_TOKENS_TOTAL,
         Unit::Count,
