@@ -222,7 +222,7 @@ proptest! {
     ) {
         let p = providers::for_kind(KINDS[k]);
         let run = |parts: &[&[u8]]| {
-            let Some(mut tr) = p.stream(envelope(Endpoint::Chat)) else { return None };
+            let mut tr = p.stream(envelope(Endpoint::Chat))?;
             let mut out = Vec::new();
             for part in parts {
                 tr.feed(part, &mut out);

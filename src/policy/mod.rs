@@ -244,7 +244,17 @@ fn identity_state_audit(s: &mut String, p: &Policy) {
         let keys: Vec<String> = id
             .virtual_keys
             .iter()
-            .map(|k| format!("{} (${})", k.consumer, k.key_env))
+            .map(|k| {
+                let team = k
+                    .team
+                    .as_deref()
+                    .map(|t| format!(" team {t}"))
+                    .unwrap_or_default();
+                match &k.secret {
+                    types::KeySource::Env(v) => format!("{}{team} (${v})", k.consumer),
+                    types::KeySource::Sha256(_) => format!("{}{team} (sha256)", k.consumer),
+                }
+            })
             .collect();
         let _ = writeln!(s, ", virtual keys: {}", keys.join(", "));
     }

@@ -253,7 +253,9 @@ async fn governed(
     let work = CLIENT_GONE.scope(gone, async move {
         let mut meta = Meta::default();
         let fut: std::pin::Pin<Box<dyn std::future::Future<Output = Response<Body>> + Send + '_>> =
-            Box::pin(governed_here(&app, snap, endpoint, &inb, &mut meta, req, t0));
+            Box::pin(governed_here(
+                &app, snap, endpoint, &inb, &mut meta, req, t0,
+            ));
         let resp = match trace {
             None => fut.await,
             Some(t) => crate::telemetry::otel::scope(t, fut).await,
@@ -363,7 +365,7 @@ async fn governed_here(
         Ok(b) => b,
         Err(BodyError::Encoding(c)) => {
             let r = Refusal::UnsupportedEncoding(c);
-            return early(app, &snap, endpoint, r, rec, ReasonClass::BadRequest, t0).await;
+            return early(app, &snap, site, r, rec, ReasonClass::BadRequest, t0).await;
         }
         Err(BodyError::Corrupt(m)) => {
             let r = Refusal::BadRequest {
@@ -371,7 +373,7 @@ async fn governed_here(
                 param: None,
                 code: "bad_content_encoding",
             };
-            return early(app, &snap, endpoint, r, rec, ReasonClass::BadRequest, t0).await;
+            return early(app, &snap, site, r, rec, ReasonClass::BadRequest, t0).await;
         }
         Err(BodyError::TooLarge) => {
             return early(

@@ -21,7 +21,12 @@ fn secrets(snap: &Snapshot) -> impl Iterator<Item = &[u8]> {
         .iter()
         .flatten()
         .map(|s| s.expose().as_bytes())
-        .chain(snap.virtual_keys.iter().map(|(s, _)| s.expose().as_bytes()))
+        .chain(
+            snap.virtual_keys
+                .plain
+                .iter()
+                .map(|(s, _)| s.expose().as_bytes()),
+        )
         .filter(|s| s.len() >= MIN_SECRET)
 }
 

@@ -122,6 +122,7 @@ async fn otel_cost() {
     let entry = Entry {
         ts: "2026-01-01T00:00:00Z".into(),
         endpoint: "chat.completions",
+        api: "openai",
         latency_ms: 3.2,
         record: rec,
     };
@@ -146,6 +147,7 @@ async fn otel_cost() {
                 max_output_tokens: 50,
                 attempt: 1,
                 probe: false,
+                output_cap_field: None,
             };
             let a = super::attempt(&spec).unwrap();
             let mut h = http::HeaderMap::new();
