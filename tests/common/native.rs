@@ -1,5 +1,5 @@
 //! Native provider answers for the in-process mock upstream, in each provider's real wire
-//! format (`../shared/design/WIRE.md`): Anthropic Messages, Gemini generateContent and
+//! format (see docs/dialects.md and the provider adapters in src/providers/): Anthropic Messages, Gemini generateContent and
 //! Ollama's `/api/chat`, buffered, streamed, and their error bodies.
 #![allow(dead_code)]
 
