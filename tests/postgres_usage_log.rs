@@ -564,3 +564,54 @@ fn the_table_name_is_checked() {
     let e = r.expect_err("an out-of-range port is refused").to_string();
     assert!(!e.contains("s3cret"), "error echoes the password: {e}");
 }
+
+/// A usage log created by an older build (no cache split, no dialect) gains the new columns
+/// when the writer connects, and rows keep the cached / cache-write split and the dialect.
+#[tokio::test]
+async fn an_older_table_gains_the_cache_split_and_dialect_columns() {
+    use tollgate::audit::postgres::{ddl, insert, insert_sql};
+    use tollgate::audit::{usage_row, Entry};
+    let _serial = SERIAL.lock().await;
+    let table = table("mig");
+    let c = client().await.expect("postgres up");
+    // The DDL without its added columns: what an older build created.
+    let old = ddl(&table);
+    let old = &old[..old.find("ALTER TABLE").expect("the DDL adds columns")];
+    c.batch_execute(old).await.expect("old ddl");
+    c.batch_execute(&ddl(&table))
+        .await
+        .expect("ddl twice is fine");
+    c.batch_execute(&ddl(&table))
+        .await
+        .expect("ddl is idempotent");
+    let st = c.prepare(&insert_sql(&table)).await.expect("prepare");
+    let mut rec = tollgate::governor::Record::new(
+        "v".into(),
+        "mig-1".into(),
+        "j".into(),
+        "c".into(),
+        "chat".into(),
+    );
+    rec.actual_input_tokens = 100;
+    rec.actual_cached_input_tokens = 60;
+    rec.actual_cache_write_tokens = 25;
+    let row = usage_row(&Entry {
+        ts: jiff::Timestamp::now().to_string(),
+        endpoint: "chat.completions",
+        api: "anthropic",
+        latency_ms: 1.0,
+        record: rec,
+    });
+    assert_eq!(insert(&c, &st, &[row]).await.expect("insert"), 1);
+    let r = c
+        .query_one(
+            &format!("SELECT cached_input_tokens, cache_write_tokens, api FROM {table}"),
+            &[],
+        )
+        .await
+        .expect("read");
+    assert_eq!(r.get::<_, i64>(0), 60);
+    assert_eq!(r.get::<_, i64>(1), 25);
+    assert_eq!(r.get::<_, String>(2), "anthropic");
+    drop_table(&table).await;
+}

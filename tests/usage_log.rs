@@ -264,6 +264,9 @@ fn spilled_row(i: usize) -> tollgate::audit::UsageRow {
         reason: "OK".into(),
         http_status: 200,
         endpoint: "chat".into(),
+        cached_input_tokens: 0,
+        cache_write_tokens: 0,
+        api: "openai".into(),
     }
 }
 

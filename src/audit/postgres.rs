@@ -11,7 +11,7 @@
 //! loaded (idempotently) and removed. At shutdown the writer tries `SHUTDOWN_TRIES` more
 //! rounds, then spills what it holds; the next start loads it.
 
-use super::row::{usage_row, UsageRow, COLUMNS};
+use super::row::{usage_row, UsageRow, ADDED_COLUMNS, COLUMNS};
 use super::{
     spill, spill_at_shutdown, Audit, AuditError, AuditWriter, Entry, SpillFile, BATCH_PAUSE,
     MAX_BATCH,
@@ -58,7 +58,13 @@ pub fn ddl(t: &str) -> String {
             endpoint text NOT NULL
         );
         CREATE INDEX IF NOT EXISTS {t}_created_at ON {t} (created_at);
-        CREATE INDEX IF NOT EXISTS {t}_request_id ON {t} (request_id);"
+        CREATE INDEX IF NOT EXISTS {t}_request_id ON {t} (request_id);{added}",
+        added = ADDED_COLUMNS
+            .iter()
+            .map(|(c, _, ty)| format!(
+                "\n        ALTER TABLE {t} ADD COLUMN IF NOT EXISTS {c} {ty};"
+            ))
+            .collect::<String>()
     )
 }
 
@@ -68,7 +74,7 @@ pub fn insert_sql(t: &str) -> String {
     let types = [
         "text", "text", "text", "text", "int8", "int8", "int8", "bool", "text", "text", "text",
         "text", "text", "text", "text", "int8", "int8", "text", "float8", "text", "text", "int4",
-        "text",
+        "text", "int8", "int8", "text",
     ];
     let args: Vec<String> = types
         .iter()
@@ -130,7 +136,12 @@ pub async fn insert(
         col!(http_status),
         col!(endpoint),
     );
-    let params: [&(dyn ToSql + Sync); 23] = [
+    let (cached, cache_write, api) = (
+        col!(cached_input_tokens),
+        col!(cache_write_tokens),
+        col!(api),
+    );
+    let params: [&(dyn ToSql + Sync); 26] = [
         &id,
         &created_at,
         &provider,
@@ -154,6 +165,9 @@ pub async fn insert(
         &reason,
         &status,
         &endpoint,
+        &cached,
+        &cache_write,
+        &api,
     ];
     c.execute(st, &params).await
 }

@@ -40,6 +40,16 @@ pub struct UsageRow {
     pub reason: String,
     pub http_status: i32,
     pub endpoint: String,
+    /// Of `input_tokens`: read from the provider's prompt cache (priced at `cached_input`).
+    #[serde(default)]
+    pub cached_input_tokens: i64,
+    /// Of `input_tokens`: written to the provider's prompt cache (priced at `cache_write`).
+    #[serde(default)]
+    pub cache_write_tokens: i64,
+    /// The client's dialect: `openai`, `anthropic`, `gemini`, `ollama` (empty in rows
+    /// spilled by an older build).
+    #[serde(default)]
+    pub api: String,
 }
 
 /// The columns in insert order (`id` first), shared by the DDL and the inserts.
@@ -67,6 +77,29 @@ pub const COLUMNS: &[&str] = &[
     "reason",
     "http_status",
     "endpoint",
+    "cached_input_tokens",
+    "cache_write_tokens",
+    "api",
+];
+
+/// Columns added after the first release, with their SQL types (SQLite, Postgres) and
+/// defaults: a log created by an older build gains them at start (`ALTER TABLE ADD COLUMN`).
+pub const ADDED_COLUMNS: &[(&str, &str, &str)] = &[
+    (
+        "cached_input_tokens",
+        "INTEGER NOT NULL DEFAULT 0",
+        "bigint NOT NULL DEFAULT 0",
+    ),
+    (
+        "cache_write_tokens",
+        "INTEGER NOT NULL DEFAULT 0",
+        "bigint NOT NULL DEFAULT 0",
+    ),
+    (
+        "api",
+        "TEXT NOT NULL DEFAULT ''",
+        "text NOT NULL DEFAULT ''",
+    ),
 ];
 
 /// Longest error text kept in a row: the record's error is the sidecar's own message, bounded
@@ -111,6 +144,9 @@ pub fn usage_row(e: &Entry) -> UsageRow {
         reason: r.reason_class.as_str().to_owned(),
         http_status: i32::from(r.http_status),
         endpoint: e.endpoint.to_owned(),
+        cached_input_tokens: clamp(r.actual_cached_input_tokens),
+        cache_write_tokens: clamp(r.actual_cache_write_tokens),
+        api: e.api.to_owned(),
     }
 }
 

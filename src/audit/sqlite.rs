@@ -24,7 +24,26 @@ pub fn open(path: &Path, table: &str) -> rusqlite::Result<Connection> {
     conn.pragma_update(None, "journal_mode", "WAL")?;
     conn.pragma_update(None, "synchronous", "NORMAL")?;
     conn.execute_batch(&ddl(table))?;
+    add_missing_columns(&conn, table)?;
     Ok(conn)
+}
+
+/// Adds the columns a log created by an older build lacks (the DDL only creates new tables).
+fn add_missing_columns(conn: &Connection, table: &str) -> rusqlite::Result<()> {
+    let mut have = Vec::new();
+    {
+        let mut st = conn.prepare(&format!("PRAGMA table_info({table})"))?;
+        let mut rows = st.query([])?;
+        while let Some(r) = rows.next()? {
+            have.push(r.get::<_, String>(1)?);
+        }
+    }
+    for (col, ty, _) in super::row::ADDED_COLUMNS {
+        if !have.iter().any(|h| h == col) {
+            conn.execute_batch(&format!("ALTER TABLE {table} ADD COLUMN {col} {ty}"))?;
+        }
+    }
+    Ok(())
 }
 
 fn ddl(t: &str) -> String {
@@ -52,7 +71,10 @@ fn ddl(t: &str) -> String {
             action TEXT NOT NULL,
             reason TEXT NOT NULL,
             http_status INTEGER NOT NULL,
-            endpoint TEXT NOT NULL
+            endpoint TEXT NOT NULL,
+            cached_input_tokens INTEGER NOT NULL DEFAULT 0,
+            cache_write_tokens INTEGER NOT NULL DEFAULT 0,
+            api TEXT NOT NULL DEFAULT ''
         );
         CREATE INDEX IF NOT EXISTS {t}_created_at ON {t} (created_at);
         CREATE INDEX IF NOT EXISTS {t}_request_id ON {t} (request_id);"
@@ -94,6 +116,9 @@ pub fn insert(conn: &mut Connection, table: &str, rows: &[UsageRow]) -> rusqlite
                 r.reason,
                 r.http_status,
                 r.endpoint,
+                r.cached_input_tokens,
+                r.cache_write_tokens,
+                r.api,
             ])?;
         }
     }
@@ -197,5 +222,63 @@ impl Audit {
                 stats,
             },
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A log created by an older build gains the cache split and dialect columns at open, and
+    /// rows keep them.
+    #[test]
+    fn an_older_log_gains_the_added_columns() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("usage.db");
+        {
+            let conn = Connection::open(&path).expect("open");
+            let old = ddl("ai_usage_logs")
+                .replace(
+                    ",\n            cached_input_tokens INTEGER NOT NULL DEFAULT 0",
+                    "",
+                )
+                .replace(
+                    ",\n            cache_write_tokens INTEGER NOT NULL DEFAULT 0",
+                    "",
+                )
+                .replace(",\n            api TEXT NOT NULL DEFAULT ''", "");
+            assert!(!old.contains("cached_input_tokens"), "{old}");
+            conn.execute_batch(&old).expect("old ddl");
+        }
+        let mut conn = open(&path, "ai_usage_logs").expect("open migrates");
+        let mut rec = crate::governor::Record::new(
+            "v".into(),
+            "r1".into(),
+            "j".into(),
+            "c".into(),
+            "chat".into(),
+        );
+        rec.actual_input_tokens = 100;
+        rec.actual_cached_input_tokens = 60;
+        rec.actual_cache_write_tokens = 25;
+        let row = super::super::row::usage_row(&super::super::Entry {
+            ts: "2026-12-01T00:00:00Z".into(),
+            endpoint: "chat.completions",
+            api: "gemini",
+            latency_ms: 1.0,
+            record: rec,
+        });
+        insert(&mut conn, "ai_usage_logs", &[row]).expect("insert");
+        let (cached, write, api): (i64, i64, String) = conn
+            .query_row(
+                "SELECT cached_input_tokens, cache_write_tokens, api FROM ai_usage_logs",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .expect("read");
+        assert_eq!((cached, write, api.as_str()), (60, 25, "gemini"));
+        // Opening again is a no-op.
+        drop(conn);
+        open(&path, "ai_usage_logs").expect("reopen");
     }
 }
