@@ -31,6 +31,11 @@ impl Teams {
     /// policies/teams.yaml pointed at the mock, plus a second file with more keys (one by
     /// digest, one of a team the `team-*` glob does not match), loaded as a directory.
     async fn start(up: &MockUpstream) -> Teams {
+        Teams::start_with(up, None).await
+    }
+
+    /// As `start`, with the Anthropic fallback pointed at `claude` (and its key set) when given.
+    async fn start_with(up: &MockUpstream, claude: Option<&MockUpstream>) -> Teams {
         for (env, key) in [
             ("TOLLGATE_KEY_ALICE", ALICE),
             ("TOLLGATE_KEY_BOB", BOB),
@@ -43,10 +48,16 @@ impl Teams {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
         let text = std::fs::read_to_string(root.join("policies/teams.yaml")).unwrap();
         assert!(text.contains("https://api.openai.com/v1"));
-        let text = text
-            .replace("https://api.openai.com/v1", &up.base_url())
-            // The fallback stays in the chain but is never called here.
-            .replace("ANTHROPIC_API_KEY", "TEAMS_TEST_UNSET_ANTHROPIC_KEY");
+        let text = text.replace("https://api.openai.com/v1", &up.base_url());
+        let text = match claude {
+            Some(c) => {
+                std::env::set_var("TEAMS_TEST_ANTHROPIC_KEY", "sk-ant-upstream-test");
+                text.replace("https://api.anthropic.com", &common::native::root(c))
+                    .replace("ANTHROPIC_API_KEY", "TEAMS_TEST_ANTHROPIC_KEY")
+            }
+            // The fallback stays in the chain but is ineligible (its key is unset).
+            None => text.replace("ANTHROPIC_API_KEY", "TEAMS_TEST_UNSET_ANTHROPIC_KEY"),
+        };
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("teams.yaml"), text).unwrap();
         let keys = format!(
@@ -339,6 +350,50 @@ async fn the_limits_view_shows_the_caller_its_own_limits_only() {
     assert!(
         team["text"].as_str().unwrap().contains("of $50.00"),
         "{team}"
+    );
+    t.running.shutdown().await;
+}
+
+/// The chain as written: OpenAI first, the Anthropic fallback when OpenAI fails; the team
+/// still pays (at the fallback's price), and the answer says who served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_primary_falls_back_to_anthropic_and_the_team_pays() {
+    let up = MockUpstream::start(vec![
+        common::mock::Answer::status(503),
+        common::mock::Answer::status(503),
+    ])
+    .await;
+    let claude = MockUpstream::start(vec![common::native::anthropic_message(
+        "Claude answers.",
+        (40, 8, 0, 0),
+    )])
+    .await;
+    let t = Teams::start_with(&up, Some(&claude)).await;
+    let body =
+        j!({"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20});
+    let (s, h, b) = post_json(&t.chat_url(), &body, &[("authorization", &bearer(CAROL))]).await;
+    let v: Value = serde_json::from_slice(&b).unwrap_or(Value::Null);
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(
+        h.get("x-tollgate-backend").and_then(|v| v.to_str().ok()),
+        Some("anthropic"),
+        "{v}"
+    );
+    assert_eq!(
+        v["choices"][0]["message"]["content"], "Claude answers.",
+        "{v}"
+    );
+    assert_eq!(claude.hits(), 1);
+    let req = claude.last_request().expect("claude called");
+    assert_eq!(req.header("x-api-key"), Some("sk-ant-upstream-test"));
+    // Carol's team pays the fallback's actual usage at the fallback's price:
+    // 40 input x $0.0008/1k + 8 output x $0.004/1k = $0.000064 = 64 micro-dollars.
+    let team = t.committed(Scope::Team, "team-b", Window::Month);
+    assert_eq!(team.requests, 1);
+    assert_eq!(team.usd, 64, "{team:?}");
+    assert_eq!(
+        t.committed(Scope::Team, "team-a", Window::Month).requests,
+        0
     );
     t.running.shutdown().await;
 }
