@@ -685,10 +685,11 @@ async fn finish_as(
         latency_ms: t0.elapsed().as_secs_f64() * 1000.0,
         record,
     };
+    let snap = app.snap.load();
     let windows = app
         .governor
-        .windows_at(&app.snap.load().policy.windows, now.as_millisecond());
-    crate::telemetry::observe(&entry, windows);
+        .windows_at(&snap.policy.windows, now.as_millisecond());
+    crate::telemetry::observe(&entry, windows, &snap.policy.alerts);
     crate::telemetry::otel::finish(&entry);
     app.audit.record(entry).await;
 }

@@ -141,8 +141,12 @@ async fn sweep(app: Arc<App>, mut stop: watch::Receiver<bool>) {
     loop {
         tokio::select! {
             _ = tick.tick() => {
-                let ttl = app.snap.load().policy.state.job_idle_ttl.as_millis() as i64;
+                let snap = app.snap.load();
+                let ttl = snap.policy.state.job_idle_ttl.as_millis() as i64;
                 app.governor.ledger.sweep(jiff::Timestamp::now().as_millisecond(), ttl);
+                let backends = &snap.policy.backends;
+                app.governor
+                    .retain_circuits(|id| backends.iter().any(|b| &*b.id == id));
             }
             _ = stop.changed() => return,
         }
@@ -243,11 +247,10 @@ pub fn reload(app: &App, path: &std::path::Path) -> Result<Arc<str>, String> {
 pub fn apply(app: &App, snap: Snapshot) -> Result<Arc<str>, String> {
     start_only_unchanged(&app.snap.load().policy, &snap.policy)?;
     let version = snap.policy.version.clone();
-    let ids: Vec<Arc<str>> = snap.policy.backends.iter().map(|b| b.id.clone()).collect();
-    crate::telemetry::global().configure(&snap.policy);
+    // One swap: everything derived from the policy is in the snapshot or read from it where
+    // it is used (alert settings when an alert is emitted). Circuits of backends the new
+    // policy no longer has are unreachable from it and pruned by the next sweep.
     app.snap.store(Arc::new(snap));
-    app.governor
-        .retain_circuits(|id| ids.iter().any(|b| &**b == id));
     Ok(version)
 }
 

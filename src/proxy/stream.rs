@@ -188,7 +188,7 @@ impl Metered {
             record,
         };
         let windows = governor.windows_at(&policy.windows, now.as_millisecond());
-        crate::telemetry::observe_stream(&entry, windows);
+        crate::telemetry::observe_stream(&entry, windows, &policy.alerts);
         if let Some(t) = otel {
             t.finish(&entry);
         }

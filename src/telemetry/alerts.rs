@@ -59,9 +59,12 @@ impl Alerts {
         })));
     }
 
-    /// Logs every crossing of `rec` and queues its webhook POSTs without waiting. Returns
-    /// how many were dropped because the queue was full.
-    pub fn emit(&self, rec: &Record, ts: &str) -> usize {
+    /// Logs every crossing of `rec` and queues its webhook POSTs without waiting, to where
+    /// `cfg` (the alert settings of the policy in force) says: a reload that changed them
+    /// takes effect here, with the snapshot swap, and nowhere else. Returns how many were
+    /// dropped because the queue was full.
+    pub fn emit(&self, cfg: &AlertsCfg, rec: &Record, ts: &str) -> usize {
+        self.configure(cfg);
         let sink = self.sink.load();
         let mut dropped = 0;
         for a in &rec.alerts {
@@ -234,14 +237,15 @@ mod tests {
         // Nothing listens on port 9 of localhost: the worker retries its first alert for a
         // while, so the queue (1) fills and later alerts are dropped, never awaited.
         let a = Alerts::default();
-        a.configure(&AlertsCfg {
+        let cfg = AlertsCfg {
             webhook_url: Some("http://127.0.0.1:9/hook".into()),
             timeout: Duration::from_millis(100),
             queue: 1,
             max_attempts: 50,
-        });
+        };
+        a.configure(&cfg);
         tokio::task::yield_now().await;
-        let dropped = a.emit(&record(5), "2026-01-01T00:00:00Z");
+        let dropped = a.emit(&cfg, &record(5), "2026-01-01T00:00:00Z");
         assert!(dropped >= 3, "dropped {dropped}");
     }
 
@@ -266,12 +270,14 @@ mod tests {
     #[tokio::test]
     async fn without_a_webhook_alerts_are_only_logged() {
         let a = Alerts::default();
-        a.configure(&AlertsCfg {
+        let cfg = AlertsCfg {
             webhook_url: None,
             timeout: Duration::from_secs(1),
             queue: 1,
             max_attempts: 1,
-        });
-        assert_eq!(a.emit(&record(3), "t"), 0);
+        };
+        assert_eq!(a.emit(&cfg, &record(3), "t"), 0);
+        // The settings emit is given are the ones in force: no separate configure step.
+        assert!(a.sink.load().as_ref().is_some_and(|s| s.cfg == cfg));
     }
 }

@@ -15,7 +15,7 @@ pub mod window;
 use crate::audit::Entry;
 use crate::governor::{FinalAction, ReasonClass};
 use crate::ledger::WindowSet;
-use crate::policy::Policy;
+use crate::policy::{AlertsCfg, Policy};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use names::*;
 use stats::{Stats, UsageWindows};
@@ -133,18 +133,19 @@ impl From<WindowSet> for UsageWindows {
 }
 
 /// Records the metrics of a finished request whose answer was buffered (or refused);
-/// `windows` are the calendar windows of now in the policy's zone.
-pub fn observe(entry: &Entry, windows: WindowSet) {
-    record(entry, true, windows.into());
+/// `windows` are the calendar windows of now in the policy's zone, `alerts` the policy's
+/// alert settings (read from the snapshot in force, so a reload is one swap).
+pub fn observe(entry: &Entry, windows: WindowSet, alerts: &AlertsCfg) {
+    record(entry, true, windows.into(), alerts);
 }
 
 /// Records the metrics of a finished stream. Its wall time includes the streaming itself,
 /// so it says nothing about the sidecar's overhead and is left out of that histogram.
-pub fn observe_stream(entry: &Entry, windows: WindowSet) {
-    record(entry, false, windows.into());
+pub fn observe_stream(entry: &Entry, windows: WindowSet, alerts: &AlertsCfg) {
+    record(entry, false, windows.into(), alerts);
 }
 
-fn record(entry: &Entry, overhead: bool, today: UsageWindows) {
+fn record(entry: &Entry, overhead: bool, today: UsageWindows, alerts: &AlertsCfg) {
     let t = global();
     let rec = &entry.record;
     let a = FinalAction::ALL.iter().position(|x| *x == rec.final_action);
@@ -203,7 +204,7 @@ fn record(entry: &Entry, overhead: bool, today: UsageWindows) {
             .increment(1);
     }
     if !rec.alerts.is_empty() {
-        let _dropped = t.alerts.emit(rec, &entry.ts);
+        let _dropped = t.alerts.emit(alerts, rec, &entry.ts);
     }
 }
 
@@ -255,11 +256,17 @@ mod tests {
         };
         // The windows come from the governor's cache on the request path.
         let w = WindowSet::at(&jiff::tz::TimeZone::UTC, 1_800_000_000_000);
-        observe(&entry, w);
+        let alerts = AlertsCfg {
+            webhook_url: None,
+            timeout: Duration::from_secs(1),
+            queue: 1,
+            max_attempts: 1,
+        };
+        observe(&entry, w, &alerts);
         let n = 200_000;
         let t0 = std::time::Instant::now();
         for _ in 0..n {
-            observe(&entry, w);
+            observe(&entry, w, &alerts);
         }
         let per = t0.elapsed().as_nanos() as f64 / n as f64;
         eprintln!("observe: {per:.0} ns per request");
