@@ -115,6 +115,33 @@ retry:
     )
 }
 
+/// Runs `script`'s `error` mode against a sidecar whose hard budget no request fits; nothing
+/// may reach the upstream.
+async fn over_hard_budget(py: &PathBuf, script: &str) -> Value {
+    let up = MockUpstream::start(vec![]).await;
+    let sc = Sidecar::start(&policy(&up.base_url(), HARD)).await;
+    let v = run(py, script, "error", &sc).await;
+    assert_eq!(
+        up.hits(),
+        0,
+        "{script}: nothing reaches the upstream over a hard budget"
+    );
+    v
+}
+
+/// Runs `script`'s `fallback` mode: the Anthropic primary is overloaded and Gemini answers
+/// (one buffered answer, then one stream).
+async fn via_fallback(py: &PathBuf, script: &str) -> Value {
+    let claude = MockUpstream::start_with_default(vec![], anthropic_overloaded()).await;
+    let gemini = MockUpstream::start(vec![
+        gemini_response("From Gemini.", 12, 4, 0),
+        gemini_stream(&["Gem", "ini"], 12, 3),
+    ])
+    .await;
+    let sc = Sidecar::start(&fallback_policy(&root(&claude), &root(&gemini))).await;
+    run(py, script, "fallback", &sc).await
+}
+
 async fn ok_upstream(extra: Vec<Answer>) -> MockUpstream {
     let mut v = vec![
         Answer::ok_chat("Hello from the mock.", 21, 5),
@@ -152,13 +179,10 @@ async fn sdk_anthropic_create_stream_count_and_errors() {
     );
     assert!(v["count"].as_u64().unwrap() > 0, "{v}");
 
-    let up = MockUpstream::start(vec![]).await;
-    let sc = Sidecar::start(&policy(&up.base_url(), HARD)).await;
-    let v = run(&py, "dialect_anthropic.py", "error", &sc).await;
+    let v = over_hard_budget(&py, "dialect_anthropic.py").await;
     assert_eq!(v["raised"], "PermissionDeniedError", "{v}");
     assert_eq!(v["status"], 403);
     assert_eq!(v["body"]["tollgate"]["final_action"], "HARD_STOP");
-    assert_eq!(up.hits(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -166,14 +190,7 @@ async fn sdk_anthropic_falls_back_to_gemini() {
     let Some(py) = sdk_python("sdk_anthropic_fallback") else {
         return;
     };
-    let claude = MockUpstream::start_with_default(vec![], anthropic_overloaded()).await;
-    let gemini = MockUpstream::start(vec![
-        gemini_response("From Gemini.", 12, 4, 0),
-        gemini_stream(&["Gem", "ini"], 12, 3),
-    ])
-    .await;
-    let sc = Sidecar::start(&fallback_policy(&root(&claude), &root(&gemini))).await;
-    let v = run(&py, "dialect_anthropic.py", "fallback", &sc).await;
+    let v = via_fallback(&py, "dialect_anthropic.py").await;
     assert_eq!(v["create"]["text"], "From Gemini.", "{v}");
     assert_eq!(
         (
@@ -201,13 +218,10 @@ async fn sdk_gemini_generate_stream_count_and_errors() {
     assert_eq!(v["stream"]["candidates"], 2);
     assert!(v["count"].as_u64().unwrap() > 0, "{v}");
 
-    let up = MockUpstream::start(vec![]).await;
-    let sc = Sidecar::start(&policy(&up.base_url(), HARD)).await;
-    let v = run(&py, "dialect_gemini.py", "error", &sc).await;
+    let v = over_hard_budget(&py, "dialect_gemini.py").await;
     assert_eq!(v["raised"], "ClientError", "{v}");
     assert_eq!(v["code"], 403);
     assert_eq!(v["status"], "PERMISSION_DENIED");
-    assert_eq!(up.hits(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -215,14 +229,7 @@ async fn sdk_gemini_client_falls_back_from_anthropic() {
     let Some(py) = sdk_python("sdk_gemini_fallback") else {
         return;
     };
-    let claude = MockUpstream::start_with_default(vec![], anthropic_overloaded()).await;
-    let gemini = MockUpstream::start(vec![
-        gemini_response("From Gemini.", 12, 4, 0),
-        gemini_stream(&["Gem", "ini"], 12, 3),
-    ])
-    .await;
-    let sc = Sidecar::start(&fallback_policy(&root(&claude), &root(&gemini))).await;
-    let v = run(&py, "dialect_gemini.py", "fallback", &sc).await;
+    let v = via_fallback(&py, "dialect_gemini.py").await;
     assert_eq!(v["generate"]["text"], "From Gemini.", "{v}");
     assert_eq!(v["stream"]["text"], "Gemini");
     assert_eq!(v["stream"]["candidates"], 3);
@@ -255,12 +262,9 @@ async fn sdk_ollama_chat_stream_generate_embed_list_and_errors() {
     assert_eq!(v["embed_dims"], 3);
     assert_eq!(v["models"], serde_json::json!(["chat", "embed"]));
 
-    let up = MockUpstream::start(vec![]).await;
-    let sc = Sidecar::start(&policy(&up.base_url(), HARD)).await;
-    let v = run(&py, "dialect_ollama.py", "error", &sc).await;
+    let v = over_hard_budget(&py, "dialect_ollama.py").await;
     assert_eq!(v["raised"], "ResponseError", "{v}");
     assert_eq!(v["status"], 403);
-    assert_eq!(up.hits(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -268,14 +272,7 @@ async fn sdk_ollama_client_falls_back_from_anthropic() {
     let Some(py) = sdk_python("sdk_ollama_fallback") else {
         return;
     };
-    let claude = MockUpstream::start_with_default(vec![], anthropic_overloaded()).await;
-    let gemini = MockUpstream::start(vec![
-        gemini_response("From Gemini.", 12, 4, 0),
-        gemini_stream(&["Gem", "ini"], 12, 3),
-    ])
-    .await;
-    let sc = Sidecar::start(&fallback_policy(&root(&claude), &root(&gemini))).await;
-    let v = run(&py, "dialect_ollama.py", "fallback", &sc).await;
+    let v = via_fallback(&py, "dialect_ollama.py").await;
     assert_eq!(v["chat"]["text"], "From Gemini.", "{v}");
     assert_eq!(v["stream"]["text"], "Gemini");
     assert_eq!(v["stream"]["eval_count"], 3);
@@ -303,11 +300,8 @@ async fn sdk_responses_create_stream_and_errors() {
     assert_eq!(v["stream"]["output"], 2);
     assert_eq!(v["stream"]["types"][0], "response.created");
 
-    let up = MockUpstream::start(vec![]).await;
-    let sc = Sidecar::start(&policy(&up.base_url(), HARD)).await;
-    let v = run(&py, "dialect_responses.py", "error", &sc).await;
+    let v = over_hard_budget(&py, "dialect_responses.py").await;
     assert_eq!(v["raised"], "PermissionDeniedError", "{v}");
-    assert_eq!(up.hits(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -315,14 +309,7 @@ async fn sdk_responses_falls_back_from_anthropic() {
     let Some(py) = sdk_python("sdk_responses_fallback") else {
         return;
     };
-    let claude = MockUpstream::start_with_default(vec![], anthropic_overloaded()).await;
-    let gemini = MockUpstream::start(vec![
-        gemini_response("From Gemini.", 12, 4, 0),
-        gemini_stream(&["Gem", "ini"], 12, 3),
-    ])
-    .await;
-    let sc = Sidecar::start(&fallback_policy(&root(&claude), &root(&gemini))).await;
-    let v = run(&py, "dialect_responses.py", "fallback", &sc).await;
+    let v = via_fallback(&py, "dialect_responses.py").await;
     assert_eq!(v["create"]["text"], "From Gemini.", "{v}");
     assert_eq!(v["stream"]["text"], "Gemini");
     assert_eq!(v["stream"]["output"], 3);

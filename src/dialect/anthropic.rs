@@ -113,13 +113,7 @@ fn message(role: &str, content: Option<&Value>, out: &mut Vec<Value>) -> Result<
             }
         }
     }
-    if !parts.is_empty() || !calls.is_empty() {
-        let mut m = json!({"role": role, "content": parts});
-        if !calls.is_empty() {
-            m["tool_calls"] = Value::Array(calls);
-        }
-        out.push(m);
-    }
+    super::push_chat_message(out, role, parts, calls);
     Ok(())
 }
 

@@ -139,13 +139,7 @@ fn content(c: &Value, out: &mut Vec<Value>) -> Result<(), String> {
             return Err("a part of a type tollgate cannot translate (file data, code)".into());
         }
     }
-    if !parts.is_empty() || !calls.is_empty() {
-        let mut m = json!({"role": role, "content": parts});
-        if !calls.is_empty() {
-            m["tool_calls"] = Value::Array(calls);
-        }
-        out.push(m);
-    }
+    super::push_chat_message(out, role, parts, calls);
     Ok(())
 }
 

@@ -320,6 +320,24 @@ pub(crate) fn copy(from: &Map<String, Value>, src: &str, to: &mut Map<String, Va
 }
 
 /// Asks for the usage chunk of a stream: every dialect reports usage at the end of its own.
+/// Appends one OpenAI chat message of content `parts` and `calls` (its `tool_calls`), unless
+/// both are empty: a dialect turn translated into the internal (OpenAI chat) form.
+pub(crate) fn push_chat_message(
+    out: &mut Vec<Value>,
+    role: &str,
+    parts: Vec<Value>,
+    calls: Vec<Value>,
+) {
+    if parts.is_empty() && calls.is_empty() {
+        return;
+    }
+    let mut m = serde_json::json!({"role": role, "content": parts});
+    if !calls.is_empty() {
+        m["tool_calls"] = Value::Array(calls);
+    }
+    out.push(m);
+}
+
 pub(crate) fn stream_usage(to: &mut Map<String, Value>) {
     to.insert("stream".into(), Value::Bool(true));
     to.insert(
