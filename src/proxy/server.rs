@@ -206,11 +206,17 @@ async fn serve<F, Fut>(
                 let _ = stream.set_nodelay(true);
                 let svc = svc.clone();
                 let watcher = graceful.watcher();
+                let mut stopping = stop.clone();
                 tokio::spawn(async move {
                     let _slot = slot;
                     // hyper's header timer starts with the first byte: a silent socket is
-                    // closed here instead of sitting open forever.
-                    if !conn::first_byte(&stream, header_timeout, port).await {
+                    // closed here instead of sitting open forever, and at once on shutdown
+                    // (it holds a watcher, so the drain would otherwise wait for it).
+                    let spoke = tokio::select! {
+                        spoke = conn::first_byte(&stream, header_timeout, port) => spoke,
+                        _ = stopping.changed() => false,
+                    };
+                    if !spoke {
                         return;
                     }
                     let conn = builder(header_timeout)
