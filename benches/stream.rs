@@ -10,7 +10,8 @@ use common::mock::{Answer, MockUpstream};
 use http_body_util::BodyExt;
 use std::time::{Duration, Instant};
 use tollgate::audit::Audit;
-use tollgate::proxy::{self, Options, Snapshot};
+use tollgate::proxy::Snapshot;
+use tollgate::sidecar::{self, Options};
 
 const POLICY: &str = r#"
 version: stream-bench
@@ -128,7 +129,9 @@ fn main() {
             listen: Some("127.0.0.1:0".parse().expect("addr")),
             admin_listen: Some("127.0.0.1:0".parse().expect("addr")),
         };
-        let running = proxy::start(snap, Audit::off(), opts).await.expect("start");
+        let running = sidecar::start(snap, Audit::off(), opts)
+            .await
+            .expect("start");
         let direct = mock.url("/chat/completions");
         let through = format!("http://{}/v1/chat/completions", running.addr);
         println!("| path | | |");

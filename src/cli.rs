@@ -219,12 +219,12 @@ pub async fn serve(args: &ServeArgs) -> u8 {
         }
     };
     let version = snap.policy.version.clone();
-    let opts = crate::proxy::Options {
+    let opts = crate::sidecar::Options {
         listen: args.listen,
         admin_listen: args.admin_listen,
     };
     let mut running =
-        match crate::proxy::start_with(snap, audit, opts, state.governor.clone()).await {
+        match crate::sidecar::start_with(snap, audit, opts, state.governor.clone()).await {
             Ok(r) => r,
             Err(e) => {
                 eprintln!("cannot listen: {e}");
@@ -392,7 +392,7 @@ fn jsonl_report(
 }
 
 #[cfg(unix)]
-async fn wait_for_signals(running: &crate::proxy::Running) {
+async fn wait_for_signals(running: &crate::sidecar::Running) {
     use tokio::signal::unix::{signal, SignalKind};
     let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
         signal(SignalKind::terminate()),
@@ -414,6 +414,6 @@ async fn wait_for_signals(running: &crate::proxy::Running) {
 }
 
 #[cfg(not(unix))]
-async fn wait_for_signals(_running: &crate::proxy::Running) {
+async fn wait_for_signals(_running: &crate::sidecar::Running) {
     let _ = tokio::signal::ctrl_c().await;
 }

@@ -1,11 +1,14 @@
 //! tollgate: a transparent reverse-proxy sidecar that governs what AI calls cost.
 //!
-//! Module graph (imports point down): `cli` → `proxy`/`scenario` → `governor` → `ledger`,
-//! `policy`, `estimate` → `units`. The governor is pure: no sockets, files or wall clock.
+//! Module graph (imports point down): `cli` → `sidecar` → `admin` → `proxy` → `telemetry`
+//! → `audit` → `scenario` → `dialect` → `providers` → `governor` → `state` → `stream` → `policy`
+//! → `ledger` → `estimate` → `units`, `body`. The governor is pure: no sockets, files or wall
+//! clock. `layering.rs` checks the order.
 #![forbid(unsafe_code)]
 
 pub mod admin;
 pub mod audit;
+pub mod body;
 pub mod cli;
 pub mod dialect;
 pub mod estimate;
@@ -15,7 +18,11 @@ pub mod policy;
 pub mod providers;
 pub mod proxy;
 pub mod scenario;
+pub mod sidecar;
 pub mod state;
 pub mod stream;
 pub mod telemetry;
 pub mod units;
+
+#[cfg(test)]
+mod layering;

@@ -248,3 +248,27 @@ mod tests {
         assert_eq!(group_thousands(1000), "1,000");
     }
 }
+
+/// Usage of one served call, from the provider or the sidecar's own count.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Every input token, cached and cache-written ones included.
+    pub input_tokens: u64,
+    /// Every output token, reasoning included.
+    pub output_tokens: u64,
+    /// Of the input, read from the provider's prompt cache (priced `cached_input`).
+    pub cached_input_tokens: u64,
+    /// Of the input, written to the provider's prompt cache (priced `cache_write`).
+    pub cache_write_tokens: u64,
+}
+
+impl Usage {
+    /// Plain input and output, no cache split.
+    pub fn new(input_tokens: u64, output_tokens: u64) -> Usage {
+        Usage {
+            input_tokens,
+            output_tokens,
+            ..Usage::default()
+        }
+    }
+}

@@ -15,7 +15,8 @@ use serde_json::json as j;
 use tollgate::audit::Audit;
 use tollgate::estimate::{self, Endpoint, Tokenizer};
 use tollgate::ledger::{window_at, window_end, CounterKey};
-use tollgate::proxy::{self, Options, Snapshot};
+use tollgate::proxy::Snapshot;
+use tollgate::sidecar::{self, Options};
 use tollgate::units::{Scope, Window};
 
 const REQUESTS: usize = 200;
@@ -56,7 +57,7 @@ budgets:
     );
     let policy = tollgate::policy::from_str(&yaml, "test.yaml").expect("policy");
     let snap = Snapshot::build(policy).expect("snapshot");
-    let running = proxy::start(
+    let running = sidecar::start(
         snap,
         Audit::off(),
         Options {

@@ -19,7 +19,8 @@ use common::native::*;
 use serde_json::Value;
 use tollgate::audit::Audit;
 use tollgate::ledger::{window_at, window_end, CounterKey};
-use tollgate::proxy::{self, Options, Running, Snapshot};
+use tollgate::proxy::Snapshot;
+use tollgate::sidecar::{self, Options, Running};
 use tollgate::units::{Amount, Scope, Window};
 
 /// Longest a script may run.
@@ -131,7 +132,7 @@ async fn sidecar(yaml: &str) -> Running {
         listen: Some("127.0.0.1:0".parse().unwrap()),
         admin_listen: Some("127.0.0.1:0".parse().unwrap()),
     };
-    proxy::start(snap, Audit::off(), opts)
+    sidecar::start(snap, Audit::off(), opts)
         .await
         .expect("sidecar starts")
 }

@@ -11,7 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 use tollgate::audit::Audit;
 use tollgate::ledger::CounterKey;
-use tollgate::proxy::{self, Options, Running, Snapshot};
+use tollgate::proxy::Snapshot;
+use tollgate::sidecar::{self, Options, Running};
 use tollgate::units::Scope;
 
 async fn sidecar(yaml: &str) -> Running {
@@ -21,7 +22,9 @@ async fn sidecar(yaml: &str) -> Running {
         listen: Some("127.0.0.1:0".parse().expect("addr")),
         admin_listen: Some("127.0.0.1:0".parse().expect("addr")),
     };
-    proxy::start(snap, Audit::off(), opts).await.expect("start")
+    sidecar::start(snap, Audit::off(), opts)
+        .await
+        .expect("start")
 }
 
 fn policy(backends: &[(&str, &str)], extra: &str) -> String {

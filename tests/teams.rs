@@ -10,7 +10,8 @@ use serde_json::{json as j, Value};
 use std::sync::Arc;
 use tollgate::audit::Audit;
 use tollgate::ledger::{window_at, window_end, CounterKey};
-use tollgate::proxy::{self, Options, Running, Snapshot};
+use tollgate::proxy::Snapshot;
+use tollgate::sidecar::{self, Options, Running};
 use tollgate::units::{Amount, Scope, Window};
 
 const ALICE: &str = "tg-test-key-alice-5b9d";
@@ -66,7 +67,7 @@ impl Teams {
         std::fs::write(dir.path().join("keys.yaml"), keys).unwrap();
         let policy = tollgate::policy::load(dir.path()).unwrap_or_else(|e| panic!("{e}"));
         let (audit, _writer) = Audit::jsonl(dir.path().join("audit.jsonl"), 1024).unwrap();
-        let running = proxy::start(
+        let running = sidecar::start(
             Snapshot::build(policy).unwrap(),
             audit,
             Options {
@@ -206,6 +207,38 @@ async fn keys_decide_who_pays_and_keyless_requests_are_refused() {
     let (ops, _) = t.key(Scope::Team, "ops", Window::Month);
     assert!(t.running.app.governor.ledger.get(&ops).is_none());
     t.running.shutdown().await;
+
+    // The audit record names the team the key gave; key-less refusals name none.
+    // (The writer flushes in the background: wait for the last served request's line.)
+    let path = t._dir.path().join("audit.jsonl");
+    let mut audit = String::new();
+    for _ in 0..100 {
+        audit = std::fs::read_to_string(&path).unwrap_or_default();
+        if audit.contains("\"consumer_id\":\"olga\"") {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let lines: Vec<Value> = audit
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let team_of = |consumer: &str| -> Vec<Value> {
+        lines
+            .iter()
+            .filter(|l| l["consumer_id"] == consumer)
+            .map(|l| l["team"].clone())
+            .collect()
+    };
+    assert_eq!(team_of("alice"), vec![Value::from("team-a")], "{audit}");
+    assert_eq!(team_of("erin"), vec![Value::from("team-b")], "{audit}");
+    assert!(
+        lines
+            .iter()
+            .filter(|l| l["http_status"] == 401)
+            .all(|l| l.get("team").is_none()),
+        "{audit}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -150,14 +150,7 @@ pub fn usage_row(e: &Entry) -> UsageRow {
     }
 }
 
-/// `true` for a name that is safe to splice into SQL: `[A-Za-z_][A-Za-z0-9_]{0,62}`.
-pub fn valid_table(t: &str) -> bool {
-    let b = t.as_bytes();
-    !b.is_empty()
-        && b.len() <= 63
-        && (b[0].is_ascii_alphabetic() || b[0] == b'_')
-        && b.iter().all(|c| c.is_ascii_alphanumeric() || *c == b'_')
-}
+pub use crate::policy::valid_table;
 
 /// A timestamp as UTC text with six fractional digits (jiff's `Display` prints a variable
 /// number, which breaks text ordering within a second). Unparsable input is taken as now.

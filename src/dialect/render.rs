@@ -3,8 +3,8 @@
 //! nothing is held back beyond the bytes of one unfinished SSE event.
 
 use super::{anthropic, gemini, ollama, responses, Answer, Dialect, EventParser, Inbound, Op};
+use crate::body::{full, Body, BoxError};
 use crate::providers::{EventSplitter, Splitter};
-use crate::proxy::respond::{full, Body, BoxError};
 use bytes::Bytes;
 use http::{HeaderValue, Response};
 use http_body::{Body as HttpBody, Frame, SizeHint};

@@ -20,7 +20,7 @@ use super::count::{count_text, json_fallback_tokens, json_tokens};
 use super::error::{EstimateError, Param};
 use super::images::image_part_tokens;
 use super::tools::tools_tokens;
-use crate::policy::Tokenizer;
+use crate::estimate::Tokenizer;
 use serde_json::{Map, Value};
 
 /// Framing tokens per message.

@@ -15,7 +15,7 @@
 use super::ranks::Ranks;
 use super::tables::{tables, Tables};
 use super::{pretok, vocab};
-use crate::policy::Tokenizer;
+use crate::estimate::Tokenizer;
 
 /// Characters per token assumed by [`Tokenizer::Chars`] and by the JSON-length fallback.
 pub const CHARS_PER_TOKEN: u64 = 4;

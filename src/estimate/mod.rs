@@ -28,7 +28,13 @@ mod vocab;
 #[cfg(test)]
 mod tests;
 
-pub use crate::policy::Tokenizer;
+/// Which token counter estimates a request (`estimate.tokenizer` in a policy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tokenizer {
+    O200k,
+    Cl100k,
+    Chars,
+}
 pub use chat::{REPLY_PRIMING_TOKENS, TOKENS_PER_MESSAGE, TOKENS_PER_NAME};
 pub use count::{count_output_text, count_text, warm_up, warm_up_for};
 pub use error::EstimateError;

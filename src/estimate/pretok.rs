@@ -17,7 +17,7 @@
 //! followed by a space, so the regex always ends a piece at `p`, and since its search is anchored
 //! with no look-behind, the pieces after `p` do not depend on what precedes it.
 
-use crate::policy::Tokenizer;
+use crate::estimate::Tokenizer;
 
 /// Byte classes, as bit flags so a set of classes is one mask test. Non-ASCII bytes never
 /// reach the matchers (they are classed as punctuation for safety).
@@ -291,7 +291,7 @@ pub(crate) fn chunks(s: &str) -> impl Iterator<Item = (&str, bool)> {
 mod tests {
     use super::AsciiSplit;
     use crate::estimate::count_text;
-    use crate::policy::Tokenizer;
+    use crate::estimate::Tokenizer;
 
     const O: Tokenizer = Tokenizer::O200k;
     const C: Tokenizer = Tokenizer::Cl100k;

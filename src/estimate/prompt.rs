@@ -7,7 +7,7 @@
 
 use super::count::{count_text, to_u64};
 use super::error::{EstimateError, Param};
-use crate::policy::Tokenizer;
+use crate::estimate::Tokenizer;
 use serde_json::Value;
 
 /// Tokens in a `prompt`/`input` value and how many separate prompts it holds (a batch of `k`

@@ -212,7 +212,7 @@ impl Ranks {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::Tokenizer;
+    use crate::estimate::Tokenizer;
 
     fn lib_piece(tok: Tokenizer, piece: &[u8]) -> usize {
         let lib = if tok == Tokenizer::O200k {

@@ -4,7 +4,7 @@
 //! never builds the other.
 
 use super::ranks::Ranks;
-use crate::policy::Tokenizer;
+use crate::estimate::Tokenizer;
 use bpe_openai::byte_pair_encoding::BytePairEncoding;
 use std::sync::LazyLock;
 

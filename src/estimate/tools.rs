@@ -20,7 +20,7 @@
 
 use super::count::{count_text, json_tokens};
 use super::error::{EstimateError, Param};
-use crate::policy::Tokenizer;
+use crate::estimate::Tokenizer;
 use serde_json::{Map, Value};
 
 const FUNC_INIT: i64 = 7;

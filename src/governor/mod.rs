@@ -14,9 +14,9 @@ pub mod upstream;
 #[cfg(test)]
 mod tests;
 
+pub use crate::units::Usage;
 pub use circuit::{Admission, Circuit, CircuitState};
 pub use record::*;
-pub use settle::Usage;
 pub use upstream::{
     CallResult, CallSpec, Clock, Failure, FailureClass, Skip, SystemClock, Upstream,
 };

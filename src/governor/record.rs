@@ -152,6 +152,9 @@ pub struct Record {
     pub request_id: Arc<str>,
     pub job_id: Arc<str>,
     pub consumer_id: Arc<str>,
+    /// The caller's team, from its virtual key.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub team: Option<Arc<str>>,
     pub route: Arc<str>,
     /// The backend that served: an id, `static`, or `none`.
     pub backend: Arc<str>,
@@ -223,6 +226,7 @@ impl Record {
             request_id,
             job_id,
             consumer_id,
+            team: None,
             route,
             backend: Arc::from("none"),
             upstream_model: None,

@@ -24,6 +24,7 @@ mod tests;
 
 pub use error::{PolicyError, PolicyErrors};
 pub use raw::{parse_duration, DEFAULT_MAX_OPEN};
+pub use sections::valid_table;
 pub(crate) use source::policy_files;
 pub use source::{read_policy_file, MAX_POLICY_FILE_BYTES};
 pub use types::*;

@@ -346,7 +346,7 @@ impl V<'_> {
             DEFAULT_AUDIT_QUEUE,
         );
         let table = match get!(m.audit, table) {
-            Some(t) if crate::audit::valid_table(t) => t.clone(),
+            Some(t) if valid_table(t) => t.clone(),
             Some(t) => self.err(
                 f,
                 "audit.table",
@@ -362,4 +362,14 @@ impl V<'_> {
             table,
         }
     }
+}
+
+/// `true` for a name that is safe to splice into SQL: `[A-Za-z_][A-Za-z0-9_]{0,62}` (the
+/// audit and usage-log table names a policy may set).
+pub fn valid_table(t: &str) -> bool {
+    let b = t.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && (b[0].is_ascii_alphabetic() || b[0] == b'_')
+        && b.iter().all(|c| c.is_ascii_alphanumeric() || *c == b'_')
 }

@@ -94,12 +94,8 @@ impl Default for KeySource {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Tokenizer {
-    O200k,
-    Cl100k,
-    Chars,
-}
+/// The estimator's tokenizer (`estimate.tokenizer`), defined where it is used.
+pub use crate::estimate::Tokenizer;
 
 #[derive(Debug, Clone)]
 pub struct EstimateCfg {

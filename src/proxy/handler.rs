@@ -342,6 +342,7 @@ async fn governed_here(
         who.consumer.clone(),
         Arc::from(""),
     );
+    rec.team = who.team.clone();
 
     // Read the body, bounded; decoded (bounded) when compressed, never read past the limit
     // it declares to a client waiting for `100 Continue`.
@@ -494,6 +495,7 @@ async fn governed_here(
         .govern(policy, route, &ctx, &call, &SystemClock)
         .await;
     let mut rec = record;
+    rec.team = ctx.team.clone();
 
     match served {
         Served::Upstream { payload, pending } => {

@@ -17,5 +17,5 @@ pub mod stream;
 pub mod transport;
 
 pub use handler::App;
-pub use server::{reload, start, start_with, Options, Running};
+pub use server::reload;
 pub use snapshot::Snapshot;

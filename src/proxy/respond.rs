@@ -7,17 +7,10 @@ use crate::estimate::Endpoint;
 use crate::governor::limits::LimitDetail;
 use crate::governor::{FinalAction, ReasonClass, Record};
 use crate::units::fmt_amount;
-use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
-use http_body_util::{combinators::BoxBody, BodyExt, Full};
 use serde_json::json;
 
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
-pub type Body = BoxBody<Bytes, BoxError>;
-
-pub fn full(b: impl Into<Bytes>) -> Body {
-    Full::new(b.into()).map_err(|never| match never {}).boxed()
-}
+pub use crate::body::{full, Body, BoxError};
 
 /// Why the sidecar answers a request itself.
 #[derive(Debug)]

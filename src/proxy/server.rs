@@ -1,142 +1,23 @@
-//! Listeners and connections: HTTP/1.1 and h2c on the data port, bounded header reads,
-//! graceful drain on shutdown. Also the admin port (`crate::admin`) and the policy watcher.
+//! Listeners and connections: HTTP/1.1 and h2c, bounded header reads, graceful drain on
+//! shutdown; the periodic sweep; the policy swap. `crate::sidecar` starts the ports.
 
 use super::conn;
-use super::handler::{handle, App};
+use super::handler::App;
 use super::snapshot::Snapshot;
-use super::transport::Transport;
-use crate::admin::{self, Ops};
-use crate::audit::Audit;
-use crate::governor::Governor;
-use crate::ledger::Ledger;
-use arc_swap::ArcSwap;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
 /// Largest request head (and read buffer) a connection may fill.
 const MAX_HEADER_BUF: usize = 64 * 1024;
 
-/// Where to listen, overriding the policy (tests bind port 0).
-#[derive(Debug, Clone, Default)]
-pub struct Options {
-    pub listen: Option<SocketAddr>,
-    pub admin_listen: Option<SocketAddr>,
-}
-
-/// A running sidecar.
-#[derive(Debug)]
-pub struct Running {
-    pub addr: SocketAddr,
-    pub admin_addr: SocketAddr,
-    pub app: Arc<App>,
-    /// The admin state: reload path and status, admin token, readiness hook.
-    pub ops: Arc<Ops>,
-    stop: watch::Sender<bool>,
-    tasks: Vec<JoinHandle<()>>,
-}
-
-async fn bind(opt: Option<SocketAddr>, from_policy: &str) -> std::io::Result<TcpListener> {
-    match opt {
-        Some(a) => TcpListener::bind(a).await,
-        None => TcpListener::bind(from_policy).await,
-    }
-}
-
-/// Binds both ports and starts serving, with counters in memory.
-pub async fn start(snap: Snapshot, audit: Audit, opts: Options) -> std::io::Result<Running> {
-    let governor = Arc::new(Governor::new(Arc::new(Ledger::new())));
-    start_with(snap, audit, opts, governor).await
-}
-
-/// Binds both ports and starts serving over `governor` (state loaded or shared: `persist`).
-pub async fn start_with(
-    snap: Snapshot,
-    audit: Audit,
-    opts: Options,
-    governor: Arc<Governor>,
-) -> std::io::Result<Running> {
-    let data = bind(opts.listen, &snap.policy.server.listen).await?;
-    let admin_l = bind(opts.admin_listen, &snap.policy.server.admin_listen).await?;
-    let (addr, admin_addr) = (data.local_addr()?, admin_l.local_addr()?);
-    crate::telemetry::global().configure(&snap.policy);
-    let ops = Arc::new(Ops::new(snap.policy.version.clone()));
-    let app = Arc::new(App {
-        snap: ArcSwap::from_pointee(snap),
-        governor,
-        transport: Transport::new(),
-        audit,
-    });
-    let (stop, stop_rx) = watch::channel(false);
-    let a = app.clone();
-    let data_task = tokio::spawn(serve(
-        data,
-        stop_rx.clone(),
-        app.clone(),
-        "data",
-        move |req| handle(a.clone(), req),
-    ));
-    let (a, o) = (app.clone(), ops.clone());
-    let admin_task = tokio::spawn(serve(
-        admin_l,
-        stop_rx.clone(),
-        app.clone(),
-        "admin",
-        move |req| admin::handle(a.clone(), o.clone(), req),
-    ));
-    let sweeper = tokio::spawn(sweep(app.clone(), stop_rx));
-    Ok(Running {
-        addr,
-        admin_addr,
-        app,
-        ops,
-        stop,
-        tasks: vec![data_task, admin_task, sweeper],
-    })
-}
-
-impl Running {
-    /// Reloads from `path` from now on (SIGHUP, `POST /admin/reload`) and watches it:
-    /// a change on disk is loaded within about a second.
-    pub fn watch_policy(&mut self, path: std::path::PathBuf) {
-        self.ops.set_policy_path(path);
-        let task = tokio::spawn(admin::watch(
-            self.app.clone(),
-            self.ops.clone(),
-            self.stop.subscribe(),
-        ));
-        self.tasks.push(task);
-    }
-
-    /// Reloads from the path set by [`Running::watch_policy`] (same path as every trigger).
-    pub async fn reload(&self, trigger: admin::Trigger) -> Result<Arc<str>, String> {
-        self.ops
-            .reload(&self.app, trigger)
-            .await
-            .map_err(|e| match e {
-                admin::ReloadError::NoPath => "no policy path to reload from".to_string(),
-                admin::ReloadError::Invalid(m) => m,
-            })
-    }
-
-    /// Stops accepting, lets in-flight requests finish up to the policy's grace, and returns.
-    pub async fn shutdown(self) {
-        let _ = self.stop.send(true);
-        for t in self.tasks {
-            let _ = t.await;
-        }
-    }
-}
-
 /// Drops idle job ledgers and ended windows once a minute.
-async fn sweep(app: Arc<App>, mut stop: watch::Receiver<bool>) {
+pub async fn sweep(app: Arc<App>, mut stop: watch::Receiver<bool>) {
     let mut tick = tokio::time::interval(Duration::from_secs(60));
     loop {
         tokio::select! {
@@ -170,7 +51,7 @@ fn builder(header_timeout: Duration) -> auto::Builder<TokioExecutor> {
     builder
 }
 
-async fn serve<F, Fut>(
+pub async fn serve<F, Fut>(
     listener: TcpListener,
     mut stop: watch::Receiver<bool>,
     app: Arc<App>,

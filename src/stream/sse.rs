@@ -1,7 +1,7 @@
 //! The OpenAI SSE meter.
 
 use crate::estimate::{count_output_text, Tokenizer};
-use crate::governor::Usage;
+use crate::units::Usage;
 use bytes::{Bytes, BytesMut};
 use serde::Deserialize;
 

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use tollgate::audit::Audit;
 use tollgate::estimate::Tokenizer;
 use tollgate::ledger::CounterKey;
-use tollgate::proxy::{self, Options, Running, Snapshot};
+use tollgate::proxy::Snapshot;
+use tollgate::sidecar::{self, Options, Running};
 use tollgate::units::Amount;
 
 /// A running sidecar with a JSONL audit trail in a temp dir (the audit is how the eight fields
@@ -35,7 +36,7 @@ impl Sidecar {
             .unwrap_or_else(|e| panic!("policy: {e}\n{yaml}"));
         let snap = Snapshot::build(policy).expect("snapshot");
         let audit_path = dir.path().join("audit.jsonl");
-        let running = proxy::start(
+        let running = sidecar::start(
             snap,
             audit,
             Options {

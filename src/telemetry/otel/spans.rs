@@ -241,7 +241,7 @@ fn sat(n: u64) -> i64 {
 
 /// The decision record's fields (`tollgate.*`): the eight states and who/what/which policy.
 fn decision(rec: &Record) -> Vec<KeyValue> {
-    vec![
+    let mut kv = vec![
         KeyValue::new("tollgate.final_action", rec.final_action.as_str()),
         KeyValue::new("tollgate.reason_class", rec.reason_class.as_str()),
         KeyValue::new("tollgate.budget_state", rec.budget_state.as_str()),
@@ -261,7 +261,11 @@ fn decision(rec: &Record) -> Vec<KeyValue> {
         KeyValue::new("tollgate.job_id", text(&rec.job_id)),
         KeyValue::new("tollgate.attempts", rec.attempts.len() as i64),
         KeyValue::new("tollgate.cost_usd", rec.cost_usd),
-    ]
+    ];
+    if let Some(team) = &rec.team {
+        kv.push(KeyValue::new("tollgate.team", text(team)));
+    }
+    kv
 }
 
 impl Attempt {
