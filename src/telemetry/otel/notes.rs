@@ -40,7 +40,7 @@ impl Notes {
 }
 
 fn find(h: &[u8], n: &[u8]) -> Option<usize> {
-    h.windows(n.len()).position(|w| w == n)
+    memchr::memmem::find(h, n)
 }
 
 fn string_after(b: &[u8], key: &[u8]) -> Option<String> {

@@ -200,33 +200,32 @@ impl RequestTrace {
             }
             a.span.end();
         }
-        let cx = self.cx.span();
+        // One call (one lock of the span) for every attribute of the server span.
+        let mut all = Vec::with_capacity(gen_ai.len() + 24);
         if !rec.route.is_empty() {
-            cx.update_name(format!("{} {}", self.op, rec.route));
-            cx.set_attribute(KeyValue::new("gen_ai.request.model", text(&rec.route)));
+            all.push(KeyValue::new("gen_ai.request.model", text(&rec.route)));
         }
-        if let Some(p) = provider {
-            cx.set_attribute(p);
-        }
+        all.extend(provider);
         if rec.requested_output_tokens > 0 {
-            cx.set_attribute(KeyValue::new(
+            all.push(KeyValue::new(
                 "gen_ai.request.max_tokens",
                 sat(rec.requested_output_tokens),
             ));
         }
-        for kv in gen_ai {
-            cx.set_attribute(kv);
-        }
-        for kv in decision(rec) {
-            cx.set_attribute(kv);
-        }
-        cx.set_attribute(KeyValue::new(
+        all.extend(gen_ai);
+        decision(rec, &mut all);
+        all.push(KeyValue::new(
             "http.response.status_code",
             i64::from(rec.http_status),
         ));
         if rec.http_status >= 400 {
-            cx.set_attribute(KeyValue::new("error.type", rec.reason_class.as_str()));
+            all.push(KeyValue::new("error.type", rec.reason_class.as_str()));
         }
+        let cx = self.cx.span();
+        if !rec.route.is_empty() {
+            cx.update_name(format!("{} {}", self.op, rec.route));
+        }
+        cx.set_attributes(all);
         if rec.http_status >= 500 {
             cx.set_status(Status::error(rec.reason_class.as_str()));
         }
@@ -240,8 +239,8 @@ fn sat(n: u64) -> i64 {
 }
 
 /// The decision record's fields (`tollgate.*`): the eight states and who/what/which policy.
-fn decision(rec: &Record) -> Vec<KeyValue> {
-    let mut kv = vec![
+fn decision(rec: &Record, kv: &mut Vec<KeyValue>) {
+    kv.extend([
         KeyValue::new("tollgate.final_action", rec.final_action.as_str()),
         KeyValue::new("tollgate.reason_class", rec.reason_class.as_str()),
         KeyValue::new("tollgate.budget_state", rec.budget_state.as_str()),
@@ -261,11 +260,10 @@ fn decision(rec: &Record) -> Vec<KeyValue> {
         KeyValue::new("tollgate.job_id", text(&rec.job_id)),
         KeyValue::new("tollgate.attempts", rec.attempts.len() as i64),
         KeyValue::new("tollgate.cost_usd", rec.cost_usd),
-    ];
+    ]);
     if let Some(team) = &rec.team {
         kv.push(KeyValue::new("tollgate.team", text(team)));
     }
-    kv
 }
 
 impl Attempt {
