@@ -109,7 +109,9 @@ enum Conclusion {
     /// The route's static response (DEGRADE).
     Static(Arc<str>),
     /// DEFER: retry after this long.
-    Defer { hint_ms: i64 },
+    Defer {
+        hint_ms: i64,
+    },
     HardStop,
 }
 
@@ -322,7 +324,6 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
         let worst = plan::worst_amount(primary, price, ctx.input_tokens, per_choice * n);
         rec.worst_case_usd = micros_to_usd(worst.usd);
         let amp_cap = (primary_worst as f64 * policy.fallback.max_amplification).floor() as u64;
-        let walk = Walk::new(rec);
         let req = Request {
             gov,
             policy,
@@ -339,7 +340,7 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
             primary_worst,
             amp_cap,
         };
-        (req, walk)
+        (req, Walk::new(rec))
     }
 
     /// Phase 2: whether this entry's backend can be called at all for this request.
@@ -553,7 +554,8 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
         if is_fallback && !self.job.try_take_fallback(fallbacks) {
             return Err(walk.halt(Halt::RetryBudget));
         }
-        if !self.job.try_take_attempt(self.policy.retry.max_attempts_per_job) {
+        let attempts = self.policy.retry.max_attempts_per_job;
+        if !self.job.try_take_attempt(attempts) {
             if is_fallback {
                 self.job.return_fallback();
             }
@@ -589,7 +591,9 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
             CallResult::Failed(failure) => {
                 drop(held.reservation);
                 let (circuit, t1) = self.failed(walk, entry, tries, made, failure);
-                Err(self.retry_or_move_on(walk, tries, (&circuit, t1), failure).await)
+                Err(self
+                    .retry_or_move_on(walk, tries, (&circuit, t1), failure)
+                    .await)
             }
         }
     }
@@ -970,10 +974,16 @@ impl Walk {
                 self.hint(STATE_RETRY_MS);
             }
             Halt::RetryBudget => {
-                self.rec.reason_class.note(ReasonClass::RetryBudgetExhausted);
+                self.rec
+                    .reason_class
+                    .note(ReasonClass::RetryBudgetExhausted);
                 self.retry_blocked = true;
             }
-            Halt::AttemptsSpent => self.rec.reason_class.note(ReasonClass::RetryBudgetExhausted),
+            Halt::AttemptsSpent => {
+                self.rec
+                    .reason_class
+                    .note(ReasonClass::RetryBudgetExhausted);
+            }
         }
         Flow::Halt(halt)
     }
