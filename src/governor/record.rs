@@ -5,6 +5,7 @@ use serde::Serialize;
 use std::sync::Arc;
 
 use super::circuit::CircuitState;
+use super::upstream::{FailureClass, Skip};
 
 macro_rules! state_enum {
     ($(#[$m:meta])* $name:ident { $($variant:ident => $s:literal),+ $(,)? }) => {
@@ -66,6 +67,54 @@ impl ReasonClass {
     }
 }
 
+/// How one attempt ended: the audit record's `attempts[].outcome`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttemptOutcome {
+    /// The upstream served the call.
+    Ok,
+    /// A client error passed through unchanged.
+    NotRetryable,
+    /// The call failed, in one of the circuit's failure classes.
+    Failed(FailureClass),
+    /// No call was made (`attempt` is 0 in the record).
+    Skipped(Skip),
+}
+
+impl AttemptOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttemptOutcome::Ok => "ok",
+            AttemptOutcome::NotRetryable => "not_retryable",
+            AttemptOutcome::Failed(class) => class.as_str(),
+            AttemptOutcome::Skipped(why) => why.as_str(),
+        }
+    }
+}
+
+/// Who answered a request: the record's `backend` string. The record keeps the string (the
+/// audit log, the metrics and the `x-tollgate-backend` header read it as one); the governor
+/// writes it only through this type.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ServedBy {
+    /// A backend's id.
+    Backend(Arc<str>),
+    /// The route's static response (`static`).
+    Static,
+    /// Nobody: the request was refused, or failed before a backend answered (`none`).
+    None,
+}
+
+impl ServedBy {
+    /// The record's `backend` string.
+    pub fn label(&self) -> Arc<str> {
+        match self {
+            ServedBy::Backend(id) => id.clone(),
+            ServedBy::Static => Arc::from("static"),
+            ServedBy::None => Arc::from("none"),
+        }
+    }
+}
+
 /// One upstream attempt, for the audit record.
 #[derive(Debug, Clone, Serialize)]
 pub struct AttemptRecord {
@@ -76,7 +125,8 @@ pub struct AttemptRecord {
     pub worst_tokens: u64,
     pub worst_cost_usd: f64,
     pub max_output_tokens: u64,
-    /// `ok`, `not_retryable`, or the failure class.
+    /// `ok`, `not_retryable`, the failure class, or why no call was made
+    /// ([`AttemptOutcome::as_str`]).
     pub outcome: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub status: Option<u16>,
@@ -156,7 +206,7 @@ pub struct Record {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub team: Option<Arc<str>>,
     pub route: Arc<str>,
-    /// The backend that served: an id, `static`, or `none`.
+    /// The backend that served: an id, `static`, or `none` ([`ServedBy::label`]).
     pub backend: Arc<str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub upstream_model: Option<Arc<str>>,
@@ -228,7 +278,7 @@ impl Record {
             consumer_id,
             team: None,
             route,
-            backend: Arc::from("none"),
+            backend: ServedBy::None.label(),
             upstream_model: None,
             estimated_input_tokens: 0,
             requested_output_tokens: 0,
@@ -253,6 +303,11 @@ impl Record {
             usage_over_reservation: false,
             client_disconnected: false,
         }
+    }
+
+    /// Names who answered ([`ServedBy`]) in the `backend` field.
+    pub fn set_served_by(&mut self, by: ServedBy) {
+        self.backend = by.label();
     }
 
     /// A request refused before the governor ran (identity, parsing): no call was made.

@@ -100,3 +100,53 @@ fn reason_precedence_follows_gate_order() {
     r.note(ReasonClass::QuotaBlocked);
     assert_eq!(r, ReasonClass::QuotaBlocked);
 }
+
+/// The audit log, the metrics and the `x-tollgate-backend` header read the record's
+/// `backend` as a string: `ServedBy` must write exactly the strings they know.
+#[test]
+fn served_by_writes_the_audited_backend_strings() {
+    use super::record::{Record, ServedBy};
+    use std::sync::Arc;
+    let mut rec = Record::new(
+        Arc::from("v1"),
+        Arc::from("r1"),
+        Arc::from("r1"),
+        Arc::from("alice"),
+        Arc::from("chat"),
+    );
+    let json = |rec: &Record| serde_json::to_value(rec).unwrap()["backend"].clone();
+    assert_eq!(json(&rec), "none", "nobody served a fresh record");
+    rec.set_served_by(ServedBy::Static);
+    assert_eq!(json(&rec), "static");
+    rec.set_served_by(ServedBy::Backend(Arc::from("openai-eu")));
+    assert_eq!(json(&rec), "openai-eu");
+    rec.set_served_by(ServedBy::None);
+    assert_eq!(&*rec.backend, "none");
+}
+
+/// `attempts[].outcome`: telemetry counts every outcome but `ok` and `not_retryable` as a
+/// backend failure, so no failure or skip may be spelled like those two.
+#[test]
+fn attempt_outcomes_name_the_audited_strings() {
+    use super::record::AttemptOutcome;
+    use super::upstream::{FailureClass, Skip};
+    assert_eq!(AttemptOutcome::Ok.as_str(), "ok");
+    assert_eq!(AttemptOutcome::NotRetryable.as_str(), "not_retryable");
+    let failures = [
+        (FailureClass::Throttled, "429"),
+        (FailureClass::Server, "5xx"),
+        (FailureClass::Timeout, "timeout"),
+        (FailureClass::Connect, "connect"),
+        (FailureClass::Auth, "auth"),
+    ];
+    for (class, s) in failures {
+        assert_eq!(AttemptOutcome::Failed(class).as_str(), s);
+    }
+    let skips = [
+        (Skip::Saturated, "saturated"),
+        (Skip::Untranslatable, "untranslatable"),
+    ];
+    for (why, s) in skips {
+        assert_eq!(AttemptOutcome::Skipped(why).as_str(), s);
+    }
+}
