@@ -97,7 +97,9 @@ async fn anthropic_client_on_anthropic_backend_passes_through() {
     let got = up.last_request().unwrap();
     assert_eq!(got.path, "/v1/messages");
     let sent = got.json.clone().unwrap();
-    for k in ["x_custom", "metadata", "top_k", "system", "messages", "stream"] {
+    for k in [
+        "x_custom", "metadata", "top_k", "system", "messages", "stream",
+    ] {
         assert_eq!(sent[k], body[k], "{k} reaches the upstream as sent");
     }
     assert_eq!(sent["model"], "claude-x");
@@ -181,7 +183,10 @@ async fn gemini_client_on_gemini_backend_passes_through() {
     let got = up.last_request().unwrap();
     assert_eq!(got.path, "/models/gemini-x:generateContent");
     let sent = got.json.clone().unwrap();
-    assert_eq!(sent, body, "the body goes as sent (the cap is the client's own here)");
+    assert_eq!(
+        sent, body,
+        "the body goes as sent (the cap is the client's own here)"
+    );
     assert_eq!(got.header("x-goog-api-key"), Some("AIza-pass-secret"));
     let a = sc.audit(&request_id(&h)).await;
     assert_eq!(a["api"], "gemini");
@@ -251,7 +256,10 @@ async fn ollama_client_on_ollama_backend_passes_through() {
     assert_eq!(sent["raw"], true);
     assert_eq!(sent["x_custom"], custom());
     assert_eq!(sent["options"]["seed"], 1);
-    assert_eq!(sent["options"]["num_predict"], 1024, "the reserved cap is set");
+    assert_eq!(
+        sent["options"]["num_predict"], 1024,
+        "the reserved cap is set"
+    );
     let a = sc.audit(&request_id(&h)).await;
     assert_actual_usage(&a, 6, 4);
 }

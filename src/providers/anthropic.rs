@@ -12,11 +12,11 @@
 use super::{
     choice, completion_body, content_parts, content_text, join, key_header, openai_error,
     parse_arguments, push_turn, stop_sequences, tool_call, BuildCtx, ChunkWriter, Envelope,
-    EventSplitter, NativeEvents, NativeRequest, NativeUsage, Part, Provider, Split,
-    NativeFormat, PassCtx, StreamTranslator, Untranslatable,
+    EventSplitter, NativeEvents, NativeFormat, NativeRequest, NativeUsage, Part, PassCtx, Provider,
+    Split, StreamTranslator, Untranslatable,
 };
-use crate::policy::Backend;
 use crate::estimate::Endpoint;
+use crate::policy::Backend;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use serde_json::{json, Map, Value};

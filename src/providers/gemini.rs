@@ -17,8 +17,8 @@ use super::{
     Untranslatable,
 };
 use super::{set_in, NativeEvents, NativeFormat, PassCtx, Split};
-use crate::policy::Backend;
 use crate::estimate::Endpoint;
+use crate::policy::Backend;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use serde_json::{json, Map, Value};

@@ -12,8 +12,8 @@ use super::{
     NativeUsage, Part, Provider, Split, StreamTranslator, Untranslatable,
 };
 use super::{set_in, NativeFormat, PassCtx};
-use crate::policy::Backend;
 use crate::estimate::Endpoint;
+use crate::policy::Backend;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use serde_json::{json, Map, Value};
@@ -343,7 +343,9 @@ impl ChatStream {
             return;
         }
         let msg = v.get("message");
-        let text = msg.and_then(|m| m.get("content")).or_else(|| v.get("response"));
+        let text = msg
+            .and_then(|m| m.get("content"))
+            .or_else(|| v.get("response"));
         if let Some(t) = text.and_then(Value::as_str) {
             self.w.text(out, 0, t);
         }

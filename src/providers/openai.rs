@@ -6,8 +6,8 @@ use super::{
     join, key_header, BuildCtx, Envelope, NativeFormat, NativeRequest, PassCtx, Provider,
     StreamTranslator, Untranslatable,
 };
-use crate::policy::Backend;
 use crate::estimate::Endpoint;
+use crate::policy::Backend;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use serde::ser::{Serialize, SerializeMap, Serializer};

@@ -671,10 +671,7 @@ fn each_kind_speaks_only_its_own_format() {
             .filter(|f| for_kind(kind).speaks(*f, &b))
             .collect::<Vec<_>>()
     };
-    assert_eq!(
-        speaks(BackendKind::Anthropic, false),
-        [AnthropicMessages]
-    );
+    assert_eq!(speaks(BackendKind::Anthropic, false), [AnthropicMessages]);
     assert_eq!(speaks(BackendKind::Gemini, false), [GeminiGenerate]);
     assert_eq!(
         speaks(BackendKind::Ollama, false),
@@ -686,8 +683,10 @@ fn each_kind_speaks_only_its_own_format() {
 
 #[test]
 fn pass_through_changes_only_model_and_cap() {
-    let body = obj(json!({"model": "chat", "max_tokens": 10, "metadata": {"user_id": "u"},
-        "x": {"a": [1, {"b": "c"}]}, "messages": [{"role": "user", "content": "hi"}]}));
+    let body = obj(
+        json!({"model": "chat", "max_tokens": 10, "metadata": {"user_id": "u"},
+        "x": {"a": [1, {"b": "c"}]}, "messages": [{"role": "user", "content": "hi"}]}),
+    );
     let r = anthropic::Anthropic
         .pass_through(&pass(NativeFormat::AnthropicMessages, &body, false))
         .unwrap();
@@ -776,7 +775,10 @@ fn a_responses_answer_and_stream_are_read_for_usage() {
     assert!(done && !failed);
     assert_eq!(streamed_text(&events), "Hey");
     let u = usage_chunk(&events).unwrap();
-    assert_eq!((u["prompt_tokens"].as_u64(), u["completion_tokens"].as_u64()), (Some(5), Some(2)));
+    assert_eq!(
+        (u["prompt_tokens"].as_u64(), u["completion_tokens"].as_u64()),
+        (Some(5), Some(2))
+    );
     // Cut before `response.completed`: a failed stream (PARTIAL, an upstream failure).
     let (_, done, failed) = run_stream(mk, &cut);
     assert!(!done && failed);

@@ -12,10 +12,10 @@ use super::transport::{Call, NativeBody, Transport, UpBody, UpstreamResponse};
 use crate::audit::{Audit, Entry};
 use crate::dialect::{self, render::Meta, Dialect, Inbound, Op, Rendered, Routed};
 use crate::estimate::{self, Endpoint, Estimate};
-use crate::providers::{self, NativeFormat, Wire};
 use crate::governor::{
     Governor, Outcome, ReasonClass, Record, RequestCtx, Served, SystemClock, Usage, UsageEvidence,
 };
+use crate::providers::{self, NativeFormat, Wire};
 use crate::stream::StreamUsage;
 use arc_swap::ArcSwap;
 use bytes::Bytes;

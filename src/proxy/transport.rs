@@ -420,7 +420,9 @@ impl Call<'_> {
             }
             let translate = match (wire, self.native) {
                 // The client gets the native stream as it is; its translation is metered.
-                (Wire::PassThrough, Some(n)) => provider.pass_stream(n.format, self.envelope(&spec)),
+                (Wire::PassThrough, Some(n)) => {
+                    provider.pass_stream(n.format, self.envelope(&spec))
+                }
                 _ if native => provider.stream(self.envelope(&spec)),
                 _ => None,
             };
