@@ -205,6 +205,32 @@ async fn gemini_client_on_gemini_backend_passes_through() {
     assert_eq!(sent["generationConfig"]["maxOutputTokens"], 1024);
     assert_eq!(sent["generationConfig"]["seed"], 7);
     assert_eq!(sent["x_custom"], custom());
+
+    // Streamed with alt=sse: Gemini's own chunks, running usage totals and all.
+    let native = gemini_stream(&["Gem", "ini"], 12, 3);
+    let want = {
+        let probe = MockUpstream::start(vec![native.clone()]).await;
+        let (_, _, b) = common::get(&probe.base_url()).await;
+        String::from_utf8(b.to_vec()).unwrap()
+    };
+    up.push_answers(vec![native]);
+    let surl = format!(
+        "{}/v1beta/models/chat:streamGenerateContent?alt=sse",
+        root_url(&sc)
+    );
+    let s = post_json_frames(&surl, &body, &[]).await;
+    assert_eq!(s.status, 200);
+    assert_eq!(
+        s.text(),
+        want,
+        "the native chunks reach the client unchanged"
+    );
+    let got = up.last_request().unwrap();
+    assert_eq!(got.path, "/models/gemini-x:streamGenerateContent");
+    assert_eq!(got.query.as_deref(), Some("alt=sse"));
+    assert_eq!(got.json.unwrap(), body);
+    let a = sc.audit(&request_id(&s.headers)).await;
+    assert_actual_usage(&a, 12, 3);
 }
 
 // ---- Ollama ------------------------------------------------------------------------------

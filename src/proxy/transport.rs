@@ -248,6 +248,11 @@ impl Call<'_> {
         }
     }
 
+    /// The client's own body, when `wire` passes it through.
+    fn passed(&self, wire: Wire) -> Option<NativeBody<'_>> {
+        self.native.filter(|_| wire == Wire::PassThrough)
+    }
+
     fn build(
         &self,
         spec: &CallSpec<'_>,
@@ -255,8 +260,8 @@ impl Call<'_> {
         wire: Wire,
     ) -> Result<Request<Full<Bytes>>, Untranslatable> {
         let backend = spec.backend;
-        let native = match (wire, self.native) {
-            (Wire::PassThrough, Some(n)) => provider.pass_through(&PassCtx {
+        let native = match self.passed(wire) {
+            Some(n) => provider.pass_through(&PassCtx {
                 base_url: &backend.base_url,
                 format: n.format,
                 body: n.body,
@@ -264,7 +269,7 @@ impl Call<'_> {
                 max_output_tokens: spec.max_output_tokens,
                 stream: self.stream,
             })?,
-            _ => {
+            None => {
                 if let Some(why) = self.untranslatable {
                     return Err(Untranslatable(why.into()));
                 }
@@ -418,11 +423,9 @@ impl Call<'_> {
                 tracing::warn!(backend = %backend.id, status = status.as_u16(), "the upstream's stream answer is not a stream");
                 return failure(FailureClass::Server, Some(status.as_u16()), None);
             }
-            let translate = match (wire, self.native) {
+            let translate = match self.passed(wire) {
                 // The client gets the native stream as it is; its translation is metered.
-                (Wire::PassThrough, Some(n)) => {
-                    provider.pass_stream(n.format, self.envelope(&spec))
-                }
+                Some(n) => provider.pass_stream(n.format, self.envelope(&spec)),
                 _ if native => provider.stream(self.envelope(&spec)),
                 _ => None,
             };
@@ -446,7 +449,7 @@ impl Call<'_> {
             Err(class) => return failure(class, Some(status.as_u16()), None),
         };
         drop(permit);
-        if let (Wire::PassThrough, Some(n)) = (wire, self.native) {
+        if let Some(n) = self.passed(wire) {
             // The client gets the native answer; its internal form is read for usage.
             let internal = match provider.pass_answer(n.format, &b, &self.envelope(&spec)) {
                 Ok(i) if providers::validate::openai_answer_ok(self.endpoint, &i) => i,
