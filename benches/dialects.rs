@@ -86,6 +86,7 @@ fn bench_stream_events(c: &mut Criterion) {
         input_estimate: 100,
         stream: true,
         local: false,
+        wire: Default::default(),
     };
     let mut g = c.benchmark_group("dialect_stream_event");
     g.throughput(Throughput::Elements(1));

@@ -22,6 +22,7 @@ pub use canon::{Answer, Event, EventParser, ToolCall, Usage};
 pub use render::{Rendered, StreamRender};
 
 use crate::estimate::Endpoint;
+use crate::providers::NativeFormat;
 use http::Method;
 use serde_json::{Map, Value};
 
@@ -167,6 +168,24 @@ impl Inbound {
         }
     }
 
+    /// The provider wire format this request is already in, when a backend speaking it can
+    /// take the client's body as sent (SPEC §3.1: same format in and out passes through).
+    /// A Gemini stream without `alt=sse` (a JSON array) is translated: the sidecar reads
+    /// upstream streams as SSE.
+    pub fn native_format(&self) -> Option<NativeFormat> {
+        Some(match (self.dialect, self.op) {
+            (Dialect::Anthropic, Op::Generate) => NativeFormat::AnthropicMessages,
+            (Dialect::Gemini, Op::Generate) if !self.path_stream || self.sse => {
+                NativeFormat::GeminiGenerate
+            }
+            (Dialect::Ollama, Op::Generate) => NativeFormat::OllamaChat,
+            (Dialect::Ollama, Op::OllamaGenerate) => NativeFormat::OllamaGenerate,
+            (Dialect::Ollama, Op::EmbedBatch) => NativeFormat::OllamaEmbed,
+            (Dialect::Responses, Op::Generate) => NativeFormat::OpenAiResponses,
+            _ => return None,
+        })
+    }
+
     /// Why no backend but one speaking this dialect natively could serve the request
     /// (stateful Responses features): every translated chain entry is ineligible.
     pub fn untranslatable(&self, body: &Map<String, Value>) -> Option<&'static str> {
@@ -301,6 +320,28 @@ pub fn error_body(
         o.insert("tollgate".into(), t.clone());
     }
     v
+}
+
+/// The sidecar's own error event inside a stream the client reads in its dialect's format
+/// (a passed-through stream the sidecar has to end: a timeout, a cut upstream, the budget).
+pub fn stream_error_event(d: Dialect, message: &str, code: &str) -> bytes::Bytes {
+    let s = match d {
+        Dialect::Anthropic => format!(
+            "event: error\ndata: {}\n\n",
+            serde_json::json!({"type": "error", "error": {"type": "api_error", "message": message}})
+        ),
+        Dialect::Gemini => format!("data: {}\n\n", gemini::error(500, message, None)),
+        Dialect::Ollama => format!("{}\n", serde_json::json!({"error": message})),
+        Dialect::Responses => format!(
+            "event: error\ndata: {}\n\n",
+            serde_json::json!({"type": "error", "code": code, "message": message, "param": null})
+        ),
+        Dialect::OpenAi => format!(
+            "data: {}\n\n",
+            serde_json::json!({"error": {"message": message, "type": "tollgate_stream_error", "code": code, "param": null}})
+        ),
+    };
+    bytes::Bytes::from(s)
 }
 
 /// The first text of a JSON string or string array field (a prompt, stop sequences).

@@ -4,7 +4,7 @@
 
 use super::{anthropic, gemini, ollama, responses, Answer, Dialect, EventParser, Inbound, Op};
 use crate::body::{full, Body, BoxError};
-use crate::providers::{EventSplitter, Splitter};
+use crate::providers::{EventSplitter, Splitter, Wire};
 use bytes::Bytes;
 use http::{HeaderValue, Response};
 use http_body::{Body as HttpBody, Frame, SizeHint};
@@ -28,6 +28,9 @@ pub struct Meta {
     pub stream: bool,
     /// The answer is already in the dialect (a count): nothing to render.
     pub local: bool,
+    /// How the attempt that answered spoke to its backend: a passed-through answer is the
+    /// upstream's own, in the client's format already.
+    pub wire: Wire,
 }
 
 /// The dialect's stream renderer (enum dispatch: one arm per dialect).
@@ -144,9 +147,10 @@ impl HttpBody for Rendering {
 pub struct Rendered;
 
 impl Rendered {
-    /// Renders `resp` (OpenAI-shaped: an answer, a stream or an error) for `inb`'s dialect.
+    /// Renders `resp` (OpenAI-shaped: an answer, a stream or an error) for `inb`'s dialect;
+    /// a passed-through answer goes as it is.
     pub async fn respond(inb: Inbound, meta: Meta, resp: Response<Body>) -> Response<Body> {
-        if inb.dialect == Dialect::OpenAi || meta.local {
+        if inb.dialect == Dialect::OpenAi || meta.local || meta.wire == Wire::PassThrough {
             return resp;
         }
         let (mut parts, body) = resp.into_parts();

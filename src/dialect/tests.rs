@@ -17,6 +17,7 @@ fn meta() -> Meta {
         input_estimate: 9,
         stream: true,
         local: false,
+        wire: Default::default(),
     }
 }
 

@@ -120,6 +120,17 @@ impl V<'_> {
         let max_in_flight = b
             .max_in_flight
             .map(|n| self.nonzero(f, p("max_in_flight"), Some(&n), n));
+        let responses_api = b.responses_api.unwrap_or(false);
+        if responses_api && kind != BackendKind::Openai {
+            self.err::<()>(
+                f,
+                p("responses_api"),
+                format!(
+                    "applies to `kind: openai` backends only (this one is `{}`)",
+                    kind.as_str()
+                ),
+            );
+        }
         Backend {
             id: id.into(),
             kind,
@@ -130,6 +141,7 @@ impl V<'_> {
             timeouts,
             circuit,
             max_in_flight,
+            responses_api,
         }
     }
 

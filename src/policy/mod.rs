@@ -169,6 +169,9 @@ pub fn summary(p: &Policy) -> String {
         if let Some(n) = b.max_in_flight {
             let _ = write!(s, ", max_in_flight {n}");
         }
+        if b.responses_api {
+            s.push_str(", responses_api");
+        }
         if let Some(why) = ineligible_reason(b) {
             let _ = write!(s, " (ineligible: {why})");
         }

@@ -148,6 +148,7 @@ pub struct RawBackend {
     pub timeouts: Option<RawTimeouts>,
     pub circuit: Option<RawCircuit>,
     pub max_in_flight: Option<u32>,
+    pub responses_api: Option<bool>,
 }
 
 /// USD per 1000 tokens; a missing side costs nothing; missing cache rates cost the input rate.

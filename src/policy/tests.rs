@@ -637,6 +637,27 @@ routes:
 }
 
 #[test]
+fn responses_api_is_an_openai_backend_key() {
+    let ok = "version: v
+backends:
+  - {id: oa, kind: openai, base_url: 'http://a', responses_api: true}
+  - {id: plain, kind: openai, base_url: 'http://b'}
+routes:
+  - {model: chat, chain: [{backend: oa, model: m}, {backend: plain, model: m}]}
+";
+    let p = from_str(ok, "p.yaml").expect("valid");
+    assert!(p.backends[0].responses_api);
+    assert!(!p.backends[1].responses_api, "off by default");
+    let bad = "version: v
+backends:
+  - {id: c, kind: anthropic, base_url: 'http://c', responses_api: true}
+routes:
+  - {model: chat, chain: [{backend: c, model: m}]}
+";
+    assert_error(bad, "backends[0].responses_api", 3, "kind: openai");
+}
+
+#[test]
 fn an_unknown_backend_lists_the_ids_that_exist() {
     let src = "version: v
 backends:

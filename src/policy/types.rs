@@ -210,6 +210,9 @@ pub struct Backend {
     pub circuit: CircuitCfg,
     /// Concurrent calls allowed to this backend; `None` is unlimited.
     pub max_in_flight: Option<u32>,
+    /// `kind: openai` only: the backend also serves OpenAI's Responses API
+    /// (`{base_url}/responses`), so a Responses client's body passes through to it.
+    pub responses_api: bool,
 }
 
 impl Backend {

@@ -12,10 +12,11 @@
 use super::{
     choice, completion_body, content_parts, content_text, join, key_header, openai_error,
     parse_arguments, push_turn, stop_sequences, tool_call, BuildCtx, ChunkWriter, Envelope,
-    EventSplitter, NativeEvents, NativeRequest, NativeUsage, Part, Provider, Split,
-    StreamTranslator, Untranslatable,
+    EventSplitter, NativeEvents, NativeFormat, NativeRequest, NativeUsage, Part, PassCtx, Provider,
+    Split, StreamTranslator, Untranslatable,
 };
 use crate::estimate::Endpoint;
+use crate::policy::Backend;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use serde_json::{json, Map, Value};
@@ -252,6 +253,18 @@ impl Provider for Anthropic {
             url: join(c.base_url, "/v1/messages"),
             body: serde_json::to_vec(&v).map_err(|e| Untranslatable(e.to_string()))?,
         })
+    }
+
+    fn speaks(&self, format: NativeFormat, _backend: &Backend) -> bool {
+        format == NativeFormat::AnthropicMessages
+    }
+
+    /// Anthropic has no stream-usage option: `message_start` and `message_delta` always
+    /// carry it.
+    fn pass_through(&self, c: &PassCtx<'_>) -> Result<NativeRequest, Untranslatable> {
+        let mut b = c.body_with_model();
+        b.insert("max_tokens".into(), Value::from(c.max_output_tokens));
+        c.native("/v1/messages", &b)
     }
 
     fn header_delay(&self, headers: &http::HeaderMap, now_ms: i64) -> Option<i64> {

@@ -16,8 +16,9 @@ use super::{
     ErrorHint, EventSplitter, NativeRequest, NativeUsage, Part, Provider, StreamTranslator,
     Untranslatable,
 };
-use super::{NativeEvents, Split};
+use super::{set_in, NativeEvents, NativeFormat, PassCtx, Split};
 use crate::estimate::Endpoint;
+use crate::policy::Backend;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use serde_json::{json, Map, Value};
@@ -365,6 +366,16 @@ fn until_quota_reset(now_ms: i64) -> i64 {
     }
 }
 
+/// `/models/{model}:generateContent`, or the SSE stream of it.
+fn generate_path(model: &str, stream: bool) -> String {
+    let model = model.strip_prefix("models/").unwrap_or(model);
+    if stream {
+        format!("/models/{model}:streamGenerateContent?alt=sse")
+    } else {
+        format!("/models/{model}:generateContent")
+    }
+}
+
 impl Provider for Gemini {
     fn error_hint(&self, status: u16, body: &[u8], now_ms: i64) -> ErrorHint {
         error_hint(status, body, now_ms)
@@ -383,16 +394,27 @@ impl Provider for Gemini {
             return Err(Untranslatable("gemini serves chat completions only".into()));
         }
         let v = translate_request(c)?;
-        let model = c.model.strip_prefix("models/").unwrap_or(c.model);
-        let path = if c.stream {
-            format!("/models/{model}:streamGenerateContent?alt=sse")
-        } else {
-            format!("/models/{model}:generateContent")
-        };
         Ok(NativeRequest {
-            url: join(c.base_url, &path),
+            url: join(c.base_url, &generate_path(c.model, c.stream)),
             body: serde_json::to_vec(&v).map_err(|e| Untranslatable(e.to_string()))?,
         })
+    }
+
+    fn speaks(&self, format: NativeFormat, _backend: &Backend) -> bool {
+        format == NativeFormat::GeminiGenerate
+    }
+
+    /// The model is in the path; the cap is `generationConfig.maxOutputTokens`; usage comes
+    /// on every chunk without asking.
+    fn pass_through(&self, c: &PassCtx<'_>) -> Result<NativeRequest, Untranslatable> {
+        let mut b = c.body.clone();
+        set_in(
+            &mut b,
+            "generationConfig",
+            "maxOutputTokens",
+            Value::from(c.max_output_tokens),
+        );
+        c.native(&generate_path(c.model, c.stream), &b)
     }
 
     fn response(&self, body: &[u8], env: &Envelope) -> Result<Option<Bytes>, String> {

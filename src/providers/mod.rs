@@ -10,6 +10,7 @@ pub mod anthropic;
 pub mod gemini;
 pub mod ollama;
 pub mod openai;
+pub mod responses;
 pub mod retry_after;
 pub mod sse;
 pub mod validate;
@@ -18,7 +19,7 @@ pub mod validate;
 mod tests;
 
 use crate::estimate::Endpoint;
-use crate::policy::BackendKind;
+use crate::policy::{Backend, BackendKind};
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use serde_json::{json, Map, Value};
@@ -42,6 +43,86 @@ pub struct BuildCtx<'a> {
     pub stream: bool,
     /// OpenAI kind only: ask for the usage chunk the client did not ask for.
     pub add_include_usage: bool,
+}
+
+/// A client body already in a provider's own wire format: what a same-format attempt passes
+/// through (SPEC §3.1). The inbound dialect names it; the provider says whether it speaks it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NativeFormat {
+    /// Anthropic Messages (`/v1/messages`).
+    AnthropicMessages,
+    /// Gemini `generateContent`, or `streamGenerateContent?alt=sse`.
+    GeminiGenerate,
+    /// Ollama `/api/chat`.
+    OllamaChat,
+    /// Ollama `/api/generate`.
+    OllamaGenerate,
+    /// Ollama `/api/embed`.
+    OllamaEmbed,
+    /// OpenAI Responses (`/v1/responses`).
+    OpenAiResponses,
+}
+
+/// How one attempt speaks to its backend: the per-attempt choice of SPEC §3.1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Wire {
+    /// The internal (OpenAI) body, translated by the provider when it speaks another format;
+    /// the answer comes back in the internal form and is rendered in the client's dialect.
+    #[default]
+    Translated,
+    /// The client's own body, in the backend's own format, with only the model, the output
+    /// cap, the stream-usage option and the key changed; the answer goes back to the client as
+    /// the upstream sent it, and its internal form is read for usage only.
+    PassThrough,
+}
+
+/// What an adapter needs to pass a client's own body through for one attempt.
+#[derive(Debug, Clone, Copy)]
+pub struct PassCtx<'a> {
+    /// The backend's `base_url`, without a trailing slash.
+    pub base_url: &'a str,
+    pub format: NativeFormat,
+    /// The client's body, as it sent it.
+    pub body: &'a Map<String, Value>,
+    /// The chain entry's upstream model.
+    pub model: &'a str,
+    /// The reserved output cap per choice: always sent, so the provider enforces the bound.
+    pub max_output_tokens: u64,
+    pub stream: bool,
+}
+
+impl PassCtx<'_> {
+    /// The client's body with `model` set (when the format carries it in the body).
+    pub(crate) fn body_with_model(&self) -> Map<String, Value> {
+        let mut b = self.body.clone();
+        b.insert("model".into(), Value::from(self.model));
+        b
+    }
+
+    /// `body` serialized as a request to `url`.
+    pub(crate) fn native(
+        &self,
+        suffix: &str,
+        body: &Map<String, Value>,
+    ) -> Result<NativeRequest, Untranslatable> {
+        Ok(NativeRequest {
+            url: join(self.base_url, suffix),
+            body: serde_json::to_vec(body).map_err(|e| Untranslatable(e.to_string()))?,
+        })
+    }
+}
+
+/// Sets `body[obj][key]` to `v`, making `obj` an object when it was missing or not one.
+pub(crate) fn set_in(body: &mut Map<String, Value>, obj: &str, key: &str, v: Value) {
+    let slot = body
+        .entry(obj.to_string())
+        .or_insert_with(|| Value::Object(Map::new()));
+    if !slot.is_object() {
+        *slot = Value::Object(Map::new());
+    }
+    if let Some(o) = slot.as_object_mut() {
+        o.insert(key.into(), v);
+    }
 }
 
 /// The native request of one attempt.
@@ -128,6 +209,44 @@ pub trait Provider: Sync {
 
     /// A translator for a successful stream; `None` when the stream is already OpenAI SSE.
     fn stream(&self, env: Envelope) -> Option<Box<dyn StreamTranslator>>;
+
+    /// Whether `backend` speaks `format` natively: a request in that format passes through
+    /// (see [`Wire`]). No format by default.
+    fn speaks(&self, _format: NativeFormat, _backend: &Backend) -> bool {
+        false
+    }
+
+    /// The upstream request of a pass-through: the client's body with only the model, the
+    /// output cap and the stream-usage option changed. Called only when [`Provider::speaks`].
+    fn pass_through(&self, c: &PassCtx<'_>) -> Result<NativeRequest, Untranslatable> {
+        Err(Untranslatable(format!(
+            "{:?} is not passed through by this provider",
+            c.format
+        )))
+    }
+
+    /// A passed-through buffered answer in the internal form, read for its usage only (the
+    /// client gets the native bytes). By default the provider's own translation.
+    fn pass_answer(
+        &self,
+        _format: NativeFormat,
+        body: &[u8],
+        env: &Envelope,
+    ) -> Result<Bytes, String> {
+        Ok(self
+            .response(body, env)?
+            .unwrap_or_else(|| Bytes::copy_from_slice(body)))
+    }
+
+    /// The reader of a passed-through stream: its internal form is metered, never sent. By
+    /// default the provider's own stream translator.
+    fn pass_stream(
+        &self,
+        _format: NativeFormat,
+        env: Envelope,
+    ) -> Option<Box<dyn StreamTranslator>> {
+        self.stream(env)
+    }
 
     /// The delay an error response's headers state: `retry-after-ms`, then `retry-after`
     /// (seconds or a date), then the provider's own rate-limit headers.

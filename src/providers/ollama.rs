@@ -11,7 +11,9 @@ use super::{
     tool_call, BuildCtx, ChunkWriter, Envelope, LineSplitter, NativeEvents, NativeRequest,
     NativeUsage, Part, Provider, Split, StreamTranslator, Untranslatable,
 };
+use super::{set_in, NativeFormat, PassCtx};
 use crate::estimate::Endpoint;
+use crate::policy::Backend;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use serde_json::{json, Map, Value};
@@ -161,8 +163,10 @@ pub(crate) fn translate_response(body: &[u8], env: &Envelope) -> Result<Bytes, S
     let v: Value =
         serde_json::from_slice(body).map_err(|e| format!("not an Ollama chat response: {e}"))?;
     let msg = v.get("message");
+    // `/api/generate` answers carry the text in `response`.
     let text = msg
         .and_then(|m| m.get("content"))
+        .or_else(|| v.get("response"))
         .and_then(Value::as_str)
         .unwrap_or("")
         .to_string();
@@ -259,6 +263,32 @@ impl Provider for Ollama {
         })
     }
 
+    fn speaks(&self, format: NativeFormat, _backend: &Backend) -> bool {
+        matches!(
+            format,
+            NativeFormat::OllamaChat | NativeFormat::OllamaGenerate | NativeFormat::OllamaEmbed
+        )
+    }
+
+    /// The cap is `options.num_predict`; `stream` stays as the client sent it (Ollama
+    /// streams when it is absent, and so does the sidecar); usage is on the `done` line.
+    fn pass_through(&self, c: &PassCtx<'_>) -> Result<NativeRequest, Untranslatable> {
+        let mut b = c.body_with_model();
+        let path = match c.format {
+            NativeFormat::OllamaChat => "/api/chat",
+            NativeFormat::OllamaGenerate => "/api/generate",
+            NativeFormat::OllamaEmbed => return c.native("/api/embed", &b),
+            other => return Err(Untranslatable(format!("ollama does not speak {other:?}"))),
+        };
+        set_in(
+            &mut b,
+            "options",
+            "num_predict",
+            Value::from(c.max_output_tokens),
+        );
+        c.native(path, &b)
+    }
+
     fn response(&self, body: &[u8], env: &Envelope) -> Result<Option<Bytes>, String> {
         match env.endpoint {
             Endpoint::Embeddings => translate_embed_response(body, env).map(Some),
@@ -313,7 +343,10 @@ impl ChatStream {
             return;
         }
         let msg = v.get("message");
-        if let Some(t) = msg.and_then(|m| m.get("content")).and_then(Value::as_str) {
+        let text = msg
+            .and_then(|m| m.get("content"))
+            .or_else(|| v.get("response"));
+        if let Some(t) = text.and_then(Value::as_str) {
             self.w.text(out, 0, t);
         }
         for mut call in tool_calls_of(msg, self.tool_calls) {

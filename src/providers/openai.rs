@@ -3,9 +3,11 @@
 //! serialized without copying the (possibly large) rest of it; answers pass through unchanged.
 
 use super::{
-    join, key_header, BuildCtx, Envelope, NativeRequest, Provider, StreamTranslator, Untranslatable,
+    join, key_header, BuildCtx, Envelope, NativeFormat, NativeRequest, PassCtx, Provider,
+    StreamTranslator, Untranslatable,
 };
 use crate::estimate::Endpoint;
+use crate::policy::Backend;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use serde::ser::{Serialize, SerializeMap, Serializer};
@@ -119,6 +121,35 @@ impl Provider for OpenAi {
             url: join(c.base_url, path_of(c.endpoint)),
             body,
         })
+    }
+
+    /// The Responses API, on a backend that declares it (`responses_api: true`).
+    fn speaks(&self, format: NativeFormat, backend: &Backend) -> bool {
+        format == NativeFormat::OpenAiResponses && backend.responses_api
+    }
+
+    /// The cap is `max_output_tokens`; `response.completed` always carries the usage.
+    fn pass_through(&self, c: &PassCtx<'_>) -> Result<NativeRequest, Untranslatable> {
+        let mut b = c.body_with_model();
+        b.insert("max_output_tokens".into(), Value::from(c.max_output_tokens));
+        c.native("/responses", &b)
+    }
+
+    fn pass_answer(
+        &self,
+        _format: NativeFormat,
+        body: &[u8],
+        env: &Envelope,
+    ) -> Result<Bytes, String> {
+        super::responses::internal_answer(body, env)
+    }
+
+    fn pass_stream(
+        &self,
+        _format: NativeFormat,
+        env: Envelope,
+    ) -> Option<Box<dyn StreamTranslator>> {
+        Some(super::responses::stream(env))
     }
 
     fn header_delay(&self, headers: &http::HeaderMap, now_ms: i64) -> Option<i64> {

@@ -623,3 +623,163 @@ fn ollama_embeddings_translate_both_ways() {
     );
     assert_eq!(v["usage"], json!({"prompt_tokens": 6, "total_tokens": 6}));
 }
+
+// ---- Same-format pass-through ------------------------------------------------------------
+
+fn backend(kind: BackendKind, responses_api: bool) -> Backend {
+    let mut p = crate::policy::from_str(
+        "version: t\nbackends:\n  - {id: b, kind: openai, base_url: 'http://up'}\nroutes:\n  - {model: m, chain: [{backend: b, model: x}]}\n",
+        "t.yaml",
+    )
+    .expect("policy");
+    let mut b = p.backends.remove(0);
+    b.kind = kind;
+    b.responses_api = responses_api;
+    b
+}
+
+fn pass<'a>(format: NativeFormat, body: &'a Map<String, Value>, stream: bool) -> PassCtx<'a> {
+    PassCtx {
+        base_url: "http://up",
+        format,
+        body,
+        model: "native-model",
+        max_output_tokens: 321,
+        stream,
+    }
+}
+
+fn sent(r: &NativeRequest) -> Value {
+    serde_json::from_slice(&r.body).unwrap()
+}
+
+#[test]
+fn each_kind_speaks_only_its_own_format() {
+    use NativeFormat::*;
+    let formats = [
+        AnthropicMessages,
+        GeminiGenerate,
+        OllamaChat,
+        OllamaGenerate,
+        OllamaEmbed,
+        OpenAiResponses,
+    ];
+    let speaks = |kind, responses_api| {
+        let b = backend(kind, responses_api);
+        formats
+            .into_iter()
+            .filter(|f| for_kind(kind).speaks(*f, &b))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(speaks(BackendKind::Anthropic, false), [AnthropicMessages]);
+    assert_eq!(speaks(BackendKind::Gemini, false), [GeminiGenerate]);
+    assert_eq!(
+        speaks(BackendKind::Ollama, false),
+        [OllamaChat, OllamaGenerate, OllamaEmbed]
+    );
+    assert!(speaks(BackendKind::Openai, false).is_empty());
+    assert_eq!(speaks(BackendKind::Openai, true), [OpenAiResponses]);
+}
+
+#[test]
+fn pass_through_changes_only_model_and_cap() {
+    let body = obj(
+        json!({"model": "chat", "max_tokens": 10, "metadata": {"user_id": "u"},
+        "x": {"a": [1, {"b": "c"}]}, "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    let r = anthropic::Anthropic
+        .pass_through(&pass(NativeFormat::AnthropicMessages, &body, false))
+        .unwrap();
+    assert_eq!(r.url, "http://up/v1/messages");
+    let mut want = Value::Object(body.clone());
+    want["model"] = json!("native-model");
+    want["max_tokens"] = json!(321);
+    assert_eq!(sent(&r), want);
+
+    let body = obj(json!({"contents": [], "generationConfig": {"temperature": 0.1}, "x": 1}));
+    let r = gemini::Gemini
+        .pass_through(&pass(NativeFormat::GeminiGenerate, &body, true))
+        .unwrap();
+    assert_eq!(
+        r.url,
+        "http://up/models/native-model:streamGenerateContent?alt=sse"
+    );
+    assert_eq!(
+        sent(&r),
+        json!({"contents": [], "generationConfig": {"temperature": 0.1, "maxOutputTokens": 321}, "x": 1})
+    );
+
+    let body = obj(json!({"model": "chat", "prompt": "p", "options": {"seed": 3}}));
+    let r = ollama::Ollama
+        .pass_through(&pass(NativeFormat::OllamaGenerate, &body, true))
+        .unwrap();
+    assert_eq!(r.url, "http://up/api/generate");
+    assert_eq!(
+        sent(&r),
+        json!({"model": "native-model", "prompt": "p", "options": {"seed": 3, "num_predict": 321}})
+    );
+    let body = obj(json!({"model": "chat", "input": ["a"], "truncate": false}));
+    let r = ollama::Ollama
+        .pass_through(&pass(NativeFormat::OllamaEmbed, &body, false))
+        .unwrap();
+    assert_eq!(r.url, "http://up/api/embed");
+    assert_eq!(
+        sent(&r),
+        json!({"model": "native-model", "input": ["a"], "truncate": false})
+    );
+
+    let body = obj(json!({"model": "chat", "input": "hi", "store": true}));
+    let r = openai::OpenAi
+        .pass_through(&pass(NativeFormat::OpenAiResponses, &body, false))
+        .unwrap();
+    assert_eq!(r.url, "http://up/responses");
+    assert_eq!(
+        sent(&r),
+        json!({"model": "native-model", "input": "hi", "store": true, "max_output_tokens": 321})
+    );
+}
+
+#[test]
+fn a_responses_answer_and_stream_are_read_for_usage() {
+    let answer = json!({"object": "response", "status": "completed",
+        "output": [{"type": "message", "content": [{"type": "output_text", "text": "Hi."}]}],
+        "usage": {"input_tokens": 11, "output_tokens": 7,
+                  "input_tokens_details": {"cached_tokens": 4}}});
+    let b = openai::OpenAi
+        .pass_answer(
+            NativeFormat::OpenAiResponses,
+            answer.to_string().as_bytes(),
+            &env(),
+        )
+        .unwrap();
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "Hi.");
+    assert_eq!(v["usage"]["prompt_tokens"], 11);
+    assert_eq!(v["usage"]["completion_tokens"], 7);
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 4);
+
+    let ev = |v: Value| format!("event: {}\ndata: {v}\n\n", v["type"].as_str().unwrap());
+    let mut native = ev(json!({"type": "response.created", "response": {}}));
+    native += &ev(json!({"type": "response.output_text.delta", "delta": "He"}));
+    native += &ev(json!({"type": "response.output_text.delta", "delta": "y"}));
+    let cut = native.clone();
+    native += &ev(
+        json!({"type": "response.completed", "response": {"usage": {"input_tokens": 5, "output_tokens": 2}}}),
+    );
+    let mk = || {
+        openai::OpenAi
+            .pass_stream(NativeFormat::OpenAiResponses, env())
+            .unwrap()
+    };
+    let (events, done, failed) = run_stream(mk, &native);
+    assert!(done && !failed);
+    assert_eq!(streamed_text(&events), "Hey");
+    let u = usage_chunk(&events).unwrap();
+    assert_eq!(
+        (u["prompt_tokens"].as_u64(), u["completion_tokens"].as_u64()),
+        (Some(5), Some(2))
+    );
+    // Cut before `response.completed`: a failed stream (PARTIAL, an upstream failure).
+    let (_, done, failed) = run_stream(mk, &cut);
+    assert!(!done && failed);
+}

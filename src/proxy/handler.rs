@@ -7,13 +7,15 @@ use super::redact;
 use super::respond::{self, full, is_hop_by_hop, Body, Refusal};
 use super::snapshot::Snapshot;
 use super::stream;
-use super::transport::{Call, Transport, UpBody, UpstreamResponse};
+use super::stream::StreamWire;
+use super::transport::{Call, NativeBody, Transport, UpBody, UpstreamResponse};
 use crate::audit::{Audit, Entry};
 use crate::dialect::{self, render::Meta, Dialect, Inbound, Op, Rendered, Routed};
 use crate::estimate::{self, Endpoint, Estimate};
 use crate::governor::{
     Governor, Outcome, ReasonClass, Record, RequestCtx, Served, SystemClock, Usage, UsageEvidence,
 };
+use crate::providers::{self, NativeFormat, Wire};
 use crate::stream::StreamUsage;
 use arc_swap::ArcSwap;
 use bytes::Bytes;
@@ -446,6 +448,7 @@ async fn governed_here(
         input_estimate: est.input_tokens,
         stream: est.stream,
         local: false,
+        wire: Wire::Translated,
     };
     if inb.op == Op::Count {
         // Counting is answered from the estimate and never charged.
@@ -468,6 +471,8 @@ async fn governed_here(
         .await;
     };
 
+    // The client's own body, kept for a chain entry that speaks its format (pass-through).
+    let native_body = native_body(inb, &bytes, route, policy);
     // Govern: gates, reservation, attempts.
     let ctx = RequestCtx {
         request_id: who.request_id,
@@ -489,6 +494,10 @@ async fn governed_here(
         stream: est.stream,
         add_include_usage: est.stream && !est.include_usage && endpoint != Endpoint::Embeddings,
         untranslatable: inb.untranslatable(&body),
+        native: native_body.as_ref().map(|(format, body)| NativeBody {
+            format: *format,
+            body,
+        }),
     };
     let Outcome { record, served } = app
         .governor
@@ -504,13 +513,19 @@ async fn governed_here(
                 headers,
                 body,
                 deadline,
+                wire,
+                internal,
                 translate,
                 permit,
             } = payload;
+            meta.wire = wire;
             match body {
                 UpBody::Buffered(b) => {
-                    crate::telemetry::otel::note_body(&b);
-                    let (usage, evidence) = buffered_usage(&b, &est, policy.estimate.tokenizer);
+                    // A passed-through answer is metered from its internal form.
+                    let internal = internal.as_ref().unwrap_or(&b);
+                    crate::telemetry::otel::note_body(internal);
+                    let (usage, evidence) =
+                        buffered_usage(internal, &est, policy.estimate.tokenizer);
                     app.governor
                         .settle(policy, &mut rec, pending, usage, evidence);
                     let b = redact::bytes(&snap, b);
@@ -539,7 +554,12 @@ async fn governed_here(
                         permit,
                         otel: crate::telemetry::otel::take(),
                     };
-                    let body = stream::metered(incoming, translate, tail, deadline);
+                    let wire = match (wire, translate) {
+                        (_, None) => StreamWire::Internal,
+                        (Wire::Translated, Some(t)) => StreamWire::Translated(t),
+                        (Wire::PassThrough, Some(t)) => StreamWire::PassThrough(t, inb.dialect),
+                    };
+                    let body = stream::metered(incoming, wire, tail, deadline);
                     let mut resp = upstream_response(status, &headers, body, &rec, &snap);
                     cap_header(&mut resp, &rec, endpoint, est.max_output_tokens);
                     resp
@@ -547,6 +567,7 @@ async fn governed_here(
             }
         }
         Served::Passthrough { payload } => {
+            meta.wire = payload.wire;
             let b = match payload.body {
                 UpBody::Buffered(b) => b,
                 UpBody::Stream(_) => Bytes::new(),
@@ -568,6 +589,30 @@ async fn governed_here(
             resp
         }
     }
+}
+
+/// The client's body as it sent it, when its format has a pass-through pair and some entry
+/// of the route's chain speaks it; `None` otherwise (every attempt translates).
+fn native_body(
+    inb: &Inbound,
+    bytes: &[u8],
+    route: &crate::policy::Route,
+    policy: &crate::policy::Policy,
+) -> Option<(NativeFormat, serde_json::Map<String, serde_json::Value>)> {
+    let format = inb.native_format()?;
+    let spoken = route.chain.iter().any(|e| {
+        let b = &policy.backends[e.backend];
+        providers::for_kind(b.kind).speaks(format, b)
+    });
+    if !spoken {
+        return None;
+    }
+    // Already parsed once by the dialect: an object (an empty body is the empty object).
+    let body = match serde_json::from_slice(bytes) {
+        Ok(serde_json::Value::Object(m)) => m,
+        _ => serde_json::Map::new(),
+    };
+    Some((format, body))
 }
 
 enum BodyError {

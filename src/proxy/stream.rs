@@ -6,6 +6,7 @@ use super::respond::{Body, BoxError};
 use super::snapshot::Snapshot;
 use super::transport::InFlight;
 use crate::audit::{Audit, Entry};
+use crate::dialect::Dialect;
 use crate::governor::{BudgetState, Governor, Pending, ReasonClass, Record, UsageEvidence};
 use crate::providers::StreamTranslator;
 use crate::stream::SseMeter;
@@ -53,10 +54,29 @@ pub(super) enum End {
     Oversized,
 }
 
+/// What the meter reads of an upstream stream, and what the client gets of it.
+pub enum StreamWire {
+    /// OpenAI SSE: metered and forwarded (then rendered in the client's dialect).
+    Internal,
+    /// A native stream reshaped into OpenAI chunks: the chunks are metered and forwarded.
+    Translated(Box<dyn StreamTranslator>),
+    /// A native stream in the client's own format: forwarded unchanged, while its translation
+    /// is metered and dropped. The sidecar's own error events are written in `Dialect`.
+    PassThrough(Box<dyn StreamTranslator>, Dialect),
+}
+
+impl StreamWire {
+    fn translator(&mut self) -> Option<&mut Box<dyn StreamTranslator>> {
+        match self {
+            StreamWire::Internal => None,
+            StreamWire::Translated(t) | StreamWire::PassThrough(t, _) => Some(t),
+        }
+    }
+}
+
 pub(super) struct Metered {
     inner: Incoming,
-    /// Reshapes a native stream into OpenAI chunks before the meter reads them.
-    translate: Option<Box<dyn StreamTranslator>>,
+    wire: StreamWire,
     meter: SseMeter,
     tail: Option<Tail>,
     deadline: Pin<Box<tokio::time::Sleep>>,
@@ -68,16 +88,11 @@ pub(super) struct Metered {
 }
 
 /// Wraps an upstream stream body; a task of its own reads it (see [`super::pump`]).
-pub fn metered(
-    inner: Incoming,
-    translate: Option<Box<dyn StreamTranslator>>,
-    tail: Tail,
-    deadline: Instant,
-) -> Body {
+pub fn metered(inner: Incoming, wire: StreamWire, tail: Tail, deadline: Instant) -> Body {
     let meter = SseMeter::new(tail.snap.policy.estimate.tokenizer, tail.hide_usage);
     let m = Metered {
         inner,
-        translate,
+        wire,
         meter,
         tail: Some(tail),
         deadline: Box::pin(tokio::time::sleep_until(deadline.into())),
@@ -95,12 +110,38 @@ fn guard_bound(reserved: u64) -> u64 {
     reserved + reserved / 10 + 16
 }
 
-fn error_event(message: &str, code: &str) -> Bytes {
+fn openai_error_event(message: &str, code: &str) -> Bytes {
     let v = serde_json::json!({"error": {"message": message, "type": "tollgate_stream_error", "code": code, "param": null}});
     Bytes::from(format!("data: {v}\n\n"))
 }
 
 impl Metered {
+    /// The sidecar's own error event, in the shape of the stream the client reads.
+    fn error_event(&self, message: &str, code: &str) -> Bytes {
+        match &self.wire {
+            StreamWire::PassThrough(_, d) => crate::dialect::stream_error_event(*d, message, code),
+            _ => openai_error_event(message, code),
+        }
+    }
+
+    /// Meters `data` (the upstream's bytes). Returns what the client gets of them, their
+    /// internal (OpenAI SSE) form, and whether the provider reported an error in its stream.
+    fn pass(&mut self, data: Bytes) -> (Bytes, Bytes, bool) {
+        let (internal, failed) = match self.wire.translator() {
+            None => (data.clone(), false),
+            Some(tr) => {
+                let mut out = Vec::new();
+                tr.feed(&data, &mut out);
+                (Bytes::from(out), tr.failed())
+            }
+        };
+        let sent = self.meter.feed(&internal);
+        match self.wire {
+            StreamWire::PassThrough(..) => (data, internal, failed),
+            _ => (sent, internal, failed),
+        }
+    }
+
     /// The client went away: what is still read is metered, not sent.
     pub(super) fn client_gone(&mut self) {
         self.client_gone = true;
@@ -213,7 +254,9 @@ impl Metered {
         self.settle(end);
         self.ended = true;
         let mut out = before.to_vec();
-        out.extend_from_slice(&rest);
+        if !matches!(self.wire, StreamWire::PassThrough(..)) {
+            out.extend_from_slice(&rest);
+        }
         if let Some(e) = event {
             out.extend_from_slice(&e);
         }
@@ -242,7 +285,7 @@ impl HttpBody for Metered {
                 return Poll::Ready(None);
             }
             if this.deadline.as_mut().poll(cx).is_ready() {
-                let ev = error_event(
+                let ev = this.error_event(
                     "the upstream stream exceeded its total timeout",
                     "upstream_timeout",
                 );
@@ -251,8 +294,9 @@ impl HttpBody for Metered {
             match Pin::new(&mut this.inner).poll_frame(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(None) => {
-                    // A translated stream may still owe its closing chunks (usage, [DONE]).
-                    let (before, end) = match this.translate.as_mut() {
+                    // A translated stream may still owe its closing chunks (usage, [DONE]);
+                    // a passed-through one has sent its own end (or was cut: a failure).
+                    let (before, end) = match this.wire.translator() {
                         None => (Bytes::new(), End::Complete),
                         Some(tr) => {
                             let mut out = Vec::new();
@@ -262,46 +306,51 @@ impl HttpBody for Metered {
                             } else {
                                 End::Complete
                             };
-                            (this.meter.feed(&Bytes::from(out)), end)
+                            let sent = this.meter.feed(&Bytes::from(out));
+                            match this.wire {
+                                // Cut before its final event: say so in the client's format.
+                                StreamWire::PassThrough(..) if end == End::UpstreamError => (
+                                    this.error_event(
+                                        "the upstream stream ended without its final event",
+                                        "upstream_incomplete",
+                                    ),
+                                    end,
+                                ),
+                                StreamWire::PassThrough(..) => (Bytes::new(), end),
+                                _ => (sent, end),
+                            }
                         }
                     };
                     return this.finish_with(end, before, None);
                 }
                 Poll::Ready(Some(Err(e))) => {
                     tracing::warn!(error = %e, "upstream stream broke");
-                    let ev =
-                        error_event("the upstream stream ended with an error", "upstream_error");
+                    let ev = this
+                        .error_event("the upstream stream ended with an error", "upstream_error");
                     return this.finish_with(End::UpstreamError, Bytes::new(), Some(ev));
                 }
                 Poll::Ready(Some(Ok(frame))) => {
                     let Ok(data) = frame.into_data() else {
                         continue;
                     };
-                    let (data, native_error) = match this.translate.as_mut() {
-                        None => (data, false),
-                        Some(tr) => {
-                            let mut out = Vec::new();
-                            tr.feed(&data, &mut out);
-                            (Bytes::from(out), tr.failed())
-                        }
-                    };
-                    let out = this.meter.feed(&data);
+                    let (out, internal, native_error) = this.pass(data);
                     if this.meter.oversized {
                         // An event that never ends: close what was forwarded of it (blank
                         // line), then the error event; a circuit failure, PARTIAL usage.
                         let mut ev = b"\n\n".to_vec();
-                        ev.extend_from_slice(&error_event(
+                        ev.extend_from_slice(&this.error_event(
                             "the upstream sent a stream event larger than tollgate accepts",
                             "upstream_event_too_large",
                         ));
                         return this.finish_with(End::Oversized, out, Some(Bytes::from(ev)));
                     }
                     if let Some(t) = this.tail.as_mut().and_then(|t| t.otel.as_mut()) {
-                        t.chunk(&data);
+                        t.chunk(&internal);
                     }
                     if native_error {
-                        // The provider reported an error inside its stream; its OpenAI error
-                        // event is in `out`. End here: partial usage, a circuit failure.
+                        // The provider reported an error inside its stream; its error event
+                        // (OpenAI's, or passed through its own) is in `out`. End here: partial
+                        // usage, a circuit failure.
                         return this.finish_with(End::UpstreamError, out, None);
                     }
                     let bound = this
@@ -309,7 +358,7 @@ impl HttpBody for Metered {
                         .as_ref()
                         .map_or(u64::MAX, |t| guard_bound(t.max_output_total));
                     if this.meter.usage.is_none() && this.meter.counted_output > bound {
-                        this.last = Some(error_event(
+                        this.last = Some(this.error_event(
                             "tollgate stopped the stream: the output passed what was reserved for this call",
                             "hard_budget_exceeded",
                         ));

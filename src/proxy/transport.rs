@@ -8,7 +8,8 @@ use crate::estimate::Endpoint;
 use crate::governor::{CallResult, CallSpec, Failure, FailureClass, Skip, Upstream};
 use crate::policy::Backend;
 use crate::providers::{
-    self, BuildCtx, Envelope, ErrorHint, Provider, StreamTranslator, Untranslatable,
+    self, BuildCtx, Envelope, ErrorHint, NativeFormat, PassCtx, Provider, StreamTranslator,
+    Untranslatable, Wire,
 };
 use bytes::Bytes;
 use dashmap::DashMap;
@@ -80,14 +81,20 @@ impl Transport {
     }
 }
 
-/// An upstream answer the governor accepted or passed through, already in the OpenAI shape
-/// for buffered bodies; a native stream carries the translator that reshapes it on the way.
+/// An upstream answer the governor accepted or passed through. Translated (`wire`), a
+/// buffered body is already in the OpenAI shape and a native stream carries the translator
+/// that reshapes it on the way; passed through, the body is the upstream's own and the
+/// translation is read for usage only.
 pub struct UpstreamResponse {
     pub status: StatusCode,
     pub headers: HeaderMap,
     pub body: UpBody,
     /// When the total timeout runs out.
     pub deadline: Instant,
+    /// How the attempt that answered spoke to its backend.
+    pub wire: Wire,
+    /// A passed-through buffered answer in the internal form, read for its usage only.
+    pub internal: Option<Bytes>,
     /// Turns a native stream into OpenAI chunks (`None`: already OpenAI SSE).
     pub translate: Option<Box<dyn StreamTranslator>>,
     /// The backend's in-flight slot, held until the answer is fully read.
@@ -98,6 +105,7 @@ impl std::fmt::Debug for UpstreamResponse {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("UpstreamResponse")
             .field("status", &self.status)
+            .field("wire", &self.wire)
             .field("translated", &self.translate.is_some())
             .finish_non_exhaustive()
     }
@@ -165,6 +173,16 @@ pub struct Call<'a> {
     /// Why no translated entry can serve this request (a stateful Responses request):
     /// every entry is skipped as untranslatable.
     pub untranslatable: Option<&'static str>,
+    /// The client's own body, when it is in a provider's wire format: passed through to a
+    /// backend that speaks that format.
+    pub native: Option<NativeBody<'a>>,
+}
+
+/// A client's body as it sent it, in a provider's wire format.
+#[derive(Debug, Clone, Copy)]
+pub struct NativeBody<'a> {
+    pub format: NativeFormat,
+    pub body: &'a serde_json::Map<String, Value>,
 }
 
 /// Client headers that never go upstream: hop-by-hop, credentials, our own.
@@ -221,25 +239,52 @@ impl Call<'_> {
         }
     }
 
+    /// The per-attempt choice: the client's own body to a backend that speaks its format,
+    /// else the internal form, translated.
+    fn wire(&self, backend: &Backend, provider: &dyn Provider) -> Wire {
+        match self.native {
+            Some(n) if provider.speaks(n.format, backend) => Wire::PassThrough,
+            _ => Wire::Translated,
+        }
+    }
+
+    /// The client's own body, when `wire` passes it through.
+    fn passed(&self, wire: Wire) -> Option<NativeBody<'_>> {
+        self.native.filter(|_| wire == Wire::PassThrough)
+    }
+
     fn build(
         &self,
         spec: &CallSpec<'_>,
         provider: &dyn Provider,
+        wire: Wire,
     ) -> Result<Request<Full<Bytes>>, Untranslatable> {
         let backend = spec.backend;
-        if let Some(why) = self.untranslatable {
-            return Err(Untranslatable(why.into()));
-        }
-        let native = provider.request(&BuildCtx {
-            base_url: &backend.base_url,
-            endpoint: self.endpoint,
-            body: self.body,
-            model: spec.model,
-            max_output_tokens: spec.max_output_tokens,
-            output_cap_field: spec.output_cap_field,
-            stream: self.stream,
-            add_include_usage: self.add_include_usage,
-        })?;
+        let native = match self.passed(wire) {
+            Some(n) => provider.pass_through(&PassCtx {
+                base_url: &backend.base_url,
+                format: n.format,
+                body: n.body,
+                model: spec.model,
+                max_output_tokens: spec.max_output_tokens,
+                stream: self.stream,
+            })?,
+            None => {
+                if let Some(why) = self.untranslatable {
+                    return Err(Untranslatable(why.into()));
+                }
+                provider.request(&BuildCtx {
+                    base_url: &backend.base_url,
+                    endpoint: self.endpoint,
+                    body: self.body,
+                    model: spec.model,
+                    max_output_tokens: spec.max_output_tokens,
+                    output_cap_field: spec.output_cap_field,
+                    stream: self.stream,
+                    add_include_usage: self.add_include_usage,
+                })?
+            }
+        };
         let mut req = Request::builder().method(Method::POST).uri(native.url);
         let h = req
             .headers_mut()
@@ -282,7 +327,8 @@ impl Call<'_> {
         let t = &backend.timeouts;
         let start = Instant::now();
         let deadline = start + t.total;
-        let mut req = match self.build(&spec, provider) {
+        let wire = self.wire(backend, provider);
+        let mut req = match self.build(&spec, provider, wire) {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(backend = %backend.id, error = %e, "request cannot be sent to this backend: skipped");
@@ -316,10 +362,15 @@ impl Call<'_> {
             // 529 is Anthropic's overloaded_error.
             408 | 500..=599 => Some(FailureClass::Server),
             _ => {
-                // A client error: read it whole and pass it on, in OpenAI's error shape.
+                // A client error: read it whole and pass it on, in OpenAI's error shape (passed
+                // through, in the upstream's own: the client speaks it).
                 return match read_body(incoming, deadline, MAX_UPSTREAM_BODY).await {
                     Ok(b) => {
-                        let body = match provider.error_body(status.as_u16(), &b) {
+                        let translated = match wire {
+                            Wire::Translated => provider.error_body(status.as_u16(), &b),
+                            Wire::PassThrough => None,
+                        };
+                        let body = match translated {
                             Some(t) => {
                                 retype(&mut headers, "application/json");
                                 t
@@ -332,6 +383,8 @@ impl Call<'_> {
                                 headers,
                                 body: UpBody::Buffered(body),
                                 deadline,
+                                wire,
+                                internal: None,
                                 translate: None,
                                 permit: None,
                             },
@@ -370,12 +423,13 @@ impl Call<'_> {
                 tracing::warn!(backend = %backend.id, status = status.as_u16(), "the upstream's stream answer is not a stream");
                 return failure(FailureClass::Server, Some(status.as_u16()), None);
             }
-            let translate = if native {
-                provider.stream(self.envelope(&spec))
-            } else {
-                None
+            let translate = match self.passed(wire) {
+                // The client gets the native stream as it is; its translation is metered.
+                Some(n) => provider.pass_stream(n.format, self.envelope(&spec)),
+                _ if native => provider.stream(self.envelope(&spec)),
+                _ => None,
             };
-            if translate.is_some() {
+            if translate.is_some() && wire == Wire::Translated {
                 retype(&mut headers, "text/event-stream");
             }
             return CallResult::Served(UpstreamResponse {
@@ -383,6 +437,8 @@ impl Call<'_> {
                 headers,
                 body: UpBody::Stream(incoming),
                 deadline,
+                wire,
+                internal: None,
                 translate,
                 permit,
             });
@@ -393,6 +449,26 @@ impl Call<'_> {
             Err(class) => return failure(class, Some(status.as_u16()), None),
         };
         drop(permit);
+        if let Some(n) = self.passed(wire) {
+            // The client gets the native answer; its internal form is read for usage.
+            let internal = match provider.pass_answer(n.format, &b, &self.envelope(&spec)) {
+                Ok(i) if providers::validate::openai_answer_ok(self.endpoint, &i) => i,
+                Ok(_) | Err(_) => {
+                    tracing::warn!(backend = %backend.id, status = status.as_u16(), "unreadable answer");
+                    return failure(FailureClass::Server, Some(status.as_u16()), None);
+                }
+            };
+            return CallResult::Served(UpstreamResponse {
+                status,
+                headers,
+                body: UpBody::Buffered(b),
+                deadline,
+                wire,
+                internal: Some(internal),
+                translate: None,
+                permit: None,
+            });
+        }
         let translated = if native {
             provider.response(&b, &self.envelope(&spec))
         } else {
@@ -420,6 +496,8 @@ impl Call<'_> {
             headers,
             body: UpBody::Buffered(body),
             deadline,
+            wire,
+            internal: None,
             translate: None,
             permit: None,
         })
