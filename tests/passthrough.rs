@@ -403,3 +403,50 @@ async fn an_upstream_client_error_passes_through_in_its_own_shape() {
     let a = sc.audit(&request_id(&h)).await;
     assert_eq!(a["retry_state"], "NOT_RETRYABLE");
 }
+
+// ---- Byte fidelity -----------------------------------------------------------------------
+
+/// The members the sidecar does not change reach the upstream as the client wrote them: key
+/// order inside them, number spelling and spacing included (a re-serialized body would sort
+/// the keys and write `2.5`). Only the model and the cap are rewritten, in place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_members_reach_the_upstream_byte_for_byte() {
+    keys();
+    let custom = r#"{"zeta": [2.50, 1e3, "\u00e9"], "alpha": {"y": null, "b": true}}"#;
+    let answer = json!({
+        "candidates": [{"content": {"role": "model", "parts": [{"text": "Hi."}]},
+                        "finishReason": "STOP", "index": 0}],
+        "usageMetadata": {"promptTokenCount": 9, "candidatesTokenCount": 3, "totalTokenCount": 12},
+    });
+    let up = MockUpstream::start(vec![Answer::json(200, answer)]).await;
+    let extra = format!(", api_key_env: {GEMINI_KEY}");
+    let sc = Sidecar::start(&one_backend("gemini", &root(&up), &extra, "gemini-x")).await;
+    let url = format!("{}/v1beta/models/chat:generateContent", root_url(&sc));
+    let body = format!(
+        r#"{{"x_custom": {custom}, "contents": [{{"role": "user", "parts": [{{"text": "Say hi"}}]}}],
+            "generationConfig": {{"temperature": 0.250, "maxOutputTokens": 5000, "seed": 7}}}}"#
+    );
+    let (st, _, b) = common::try_post_raw(
+        &url,
+        bytes::Bytes::from(body),
+        &[("content-type", "application/json")],
+    )
+    .await
+    .unwrap();
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&b));
+    let got = up.last_request().unwrap();
+    let sent = std::str::from_utf8(&got.body).unwrap();
+    assert!(
+        sent.starts_with(&format!(r#"{{"x_custom":{custom},"contents":"#)),
+        "unknown member first and byte-for-byte: {sent}"
+    );
+    // The cap is clamped to the reserved one inside generationConfig; its siblings keep
+    // their spelling.
+    assert!(
+        sent.contains(r#""temperature":0.250"#),
+        "generationConfig's other members as sent: {sent}"
+    );
+    let v: Value = serde_json::from_str(sent).unwrap();
+    assert_eq!(v["generationConfig"]["seed"], 7);
+    assert!(v["generationConfig"]["maxOutputTokens"].as_u64().unwrap() <= 5000);
+}

@@ -9,6 +9,7 @@
 //! one wins); `ping` and unknown events are ignored; an `error` event after the 200 becomes an
 //! OpenAI error event and marks the stream failed.
 
+use super::splice::Edit;
 use super::{
     choice, completion_body, content_parts, content_text, join, key_header, openai_error,
     parse_arguments, push_turn, stop_sequences, tool_call, BuildCtx, ChunkWriter, Envelope,
@@ -262,9 +263,11 @@ impl Provider for Anthropic {
     /// Anthropic has no stream-usage option: `message_start` and `message_delta` always
     /// carry it.
     fn pass_through(&self, c: &PassCtx<'_>) -> Result<NativeRequest, Untranslatable> {
-        let mut b = c.body_with_model();
-        b.insert("max_tokens".into(), Value::from(c.max_output_tokens));
-        c.native("/v1/messages", &b)
+        let (model, cap) = (Value::from(c.model), Value::from(c.max_output_tokens));
+        c.native(
+            "/v1/messages",
+            &[Edit::Set("model", &model), Edit::Set("max_tokens", &cap)],
+        )
     }
 
     fn header_delay(&self, headers: &http::HeaderMap, now_ms: i64) -> Option<i64> {

@@ -10,13 +10,14 @@
 //! Errors: `RetryInfo.retryDelay` in the body is the delay (no Retry-After header on 429); a
 //! per-day quota violation will not clear in minutes and is reported as a long outage.
 
+use super::splice::Edit;
 use super::{
     choice, completion_body, content_parts, content_text, join, key_header, openai_error,
     parse_arguments, push_turn, stop_sequences, tool_call, BuildCtx, ChunkWriter, Envelope,
     ErrorHint, EventSplitter, NativeRequest, NativeUsage, Part, Provider, StreamTranslator,
     Untranslatable,
 };
-use super::{set_in, NativeEvents, NativeFormat, PassCtx, Split};
+use super::{NativeEvents, NativeFormat, PassCtx, Split};
 use crate::estimate::Endpoint;
 use crate::policy::Backend;
 use bytes::Bytes;
@@ -407,14 +408,12 @@ impl Provider for Gemini {
     /// The model is in the path; the cap is `generationConfig.maxOutputTokens`; usage comes
     /// on every chunk without asking.
     fn pass_through(&self, c: &PassCtx<'_>) -> Result<NativeRequest, Untranslatable> {
-        let mut b = c.body.clone();
-        set_in(
-            &mut b,
-            "generationConfig",
-            "maxOutputTokens",
-            Value::from(c.max_output_tokens),
-        );
-        c.native(&generate_path(c.model, c.stream), &b)
+        // The model is in the path.
+        let cap = Value::from(c.max_output_tokens);
+        c.native(
+            &generate_path(c.model, c.stream),
+            &[Edit::SetIn("generationConfig", "maxOutputTokens", &cap)],
+        )
     }
 
     fn response(&self, body: &[u8], env: &Envelope) -> Result<Option<Bytes>, String> {

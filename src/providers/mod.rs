@@ -12,6 +12,7 @@ pub mod ollama;
 pub mod openai;
 pub mod responses;
 pub mod retry_after;
+pub mod splice;
 pub mod sse;
 pub mod validate;
 
@@ -82,8 +83,8 @@ pub struct PassCtx<'a> {
     /// The backend's `base_url`, without a trailing slash.
     pub base_url: &'a str,
     pub format: NativeFormat,
-    /// The client's body, as it sent it.
-    pub body: &'a Map<String, Value>,
+    /// The client's body, as it sent it (a JSON object: the dialect parsed it).
+    pub raw: &'a [u8],
     /// The chain entry's upstream model.
     pub model: &'a str,
     /// The reserved output cap per choice: always sent, so the provider enforces the bound.
@@ -92,36 +93,17 @@ pub struct PassCtx<'a> {
 }
 
 impl PassCtx<'_> {
-    /// The client's body with `model` set (when the format carries it in the body).
-    pub(crate) fn body_with_model(&self) -> Map<String, Value> {
-        let mut b = self.body.clone();
-        b.insert("model".into(), Value::from(self.model));
-        b
-    }
-
-    /// `body` serialized as a request to `url`.
+    /// The client's body with `edits` applied, every other member as it sent it
+    /// ([`splice`]), as a request to `suffix`.
     pub(crate) fn native(
         &self,
         suffix: &str,
-        body: &Map<String, Value>,
+        edits: &[splice::Edit<'_>],
     ) -> Result<NativeRequest, Untranslatable> {
         Ok(NativeRequest {
             url: join(self.base_url, suffix),
-            body: serde_json::to_vec(body).map_err(|e| Untranslatable(e.to_string()))?,
+            body: splice::splice(self.raw, edits).map_err(Untranslatable)?,
         })
-    }
-}
-
-/// Sets `body[obj][key]` to `v`, making `obj` an object when it was missing or not one.
-pub(crate) fn set_in(body: &mut Map<String, Value>, obj: &str, key: &str, v: Value) {
-    let slot = body
-        .entry(obj.to_string())
-        .or_insert_with(|| Value::Object(Map::new()));
-    if !slot.is_object() {
-        *slot = Value::Object(Map::new());
-    }
-    if let Some(o) = slot.as_object_mut() {
-        o.insert(key.into(), v);
     }
 }
 

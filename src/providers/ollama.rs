@@ -6,12 +6,13 @@
 //! Overload is a 503 "server busy" without Retry-After (a backend failure); a missing model is
 //! a 404 (passed to the client, not retried).
 
+use super::splice::Edit;
 use super::{
     choice, completion_body, content_parts, join, openai_error, parse_arguments, stop_sequences,
     tool_call, BuildCtx, ChunkWriter, Envelope, LineSplitter, NativeEvents, NativeRequest,
     NativeUsage, Part, Provider, Split, StreamTranslator, Untranslatable,
 };
-use super::{set_in, NativeFormat, PassCtx};
+use super::{NativeFormat, PassCtx};
 use crate::estimate::Endpoint;
 use crate::policy::Backend;
 use bytes::Bytes;
@@ -273,20 +274,22 @@ impl Provider for Ollama {
     /// The cap is `options.num_predict`; `stream` stays as the client sent it (Ollama
     /// streams when it is absent, and so does the sidecar); usage is on the `done` line.
     fn pass_through(&self, c: &PassCtx<'_>) -> Result<NativeRequest, Untranslatable> {
-        let mut b = c.body_with_model();
+        let (model, cap) = (Value::from(c.model), Value::from(c.max_output_tokens));
         let path = match c.format {
             NativeFormat::OllamaChat => "/api/chat",
             NativeFormat::OllamaGenerate => "/api/generate",
-            NativeFormat::OllamaEmbed => return c.native("/api/embed", &b),
+            NativeFormat::OllamaEmbed => {
+                return c.native("/api/embed", &[Edit::Set("model", &model)])
+            }
             other => return Err(Untranslatable(format!("ollama does not speak {other:?}"))),
         };
-        set_in(
-            &mut b,
-            "options",
-            "num_predict",
-            Value::from(c.max_output_tokens),
-        );
-        c.native(path, &b)
+        c.native(
+            path,
+            &[
+                Edit::Set("model", &model),
+                Edit::SetIn("options", "num_predict", &cap),
+            ],
+        )
     }
 
     fn response(&self, body: &[u8], env: &Envelope) -> Result<Option<Bytes>, String> {

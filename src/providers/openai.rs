@@ -2,6 +2,7 @@
 //! the client's body goes through with this attempt's model, output cap and stream options,
 //! serialized without copying the (possibly large) rest of it; answers pass through unchanged.
 
+use super::splice::Edit;
 use super::{
     join, key_header, BuildCtx, Envelope, NativeFormat, NativeRequest, PassCtx, Provider,
     StreamTranslator, Untranslatable,
@@ -130,9 +131,14 @@ impl Provider for OpenAi {
 
     /// The cap is `max_output_tokens`; `response.completed` always carries the usage.
     fn pass_through(&self, c: &PassCtx<'_>) -> Result<NativeRequest, Untranslatable> {
-        let mut b = c.body_with_model();
-        b.insert("max_output_tokens".into(), Value::from(c.max_output_tokens));
-        c.native("/responses", &b)
+        let (model, cap) = (Value::from(c.model), Value::from(c.max_output_tokens));
+        c.native(
+            "/responses",
+            &[
+                Edit::Set("model", &model),
+                Edit::Set("max_output_tokens", &cap),
+            ],
+        )
     }
 
     fn pass_answer(

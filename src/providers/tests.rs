@@ -638,15 +638,19 @@ fn backend(kind: BackendKind, responses_api: bool) -> Backend {
     b
 }
 
-fn pass<'a>(format: NativeFormat, body: &'a Map<String, Value>, stream: bool) -> PassCtx<'a> {
+fn pass(format: NativeFormat, raw: &[u8], stream: bool) -> PassCtx<'_> {
     PassCtx {
         base_url: "http://up",
         format,
-        body,
+        raw,
         model: "native-model",
         max_output_tokens: 321,
         stream,
     }
+}
+
+fn bytes(v: Value) -> Vec<u8> {
+    serde_json::to_vec(&v).unwrap()
 }
 
 fn sent(r: &NativeRequest) -> Value {
@@ -683,7 +687,7 @@ fn each_kind_speaks_only_its_own_format() {
 
 #[test]
 fn pass_through_changes_only_model_and_cap() {
-    let body = obj(
+    let body = bytes(
         json!({"model": "chat", "max_tokens": 10, "metadata": {"user_id": "u"},
         "x": {"a": [1, {"b": "c"}]}, "messages": [{"role": "user", "content": "hi"}]}),
     );
@@ -691,12 +695,12 @@ fn pass_through_changes_only_model_and_cap() {
         .pass_through(&pass(NativeFormat::AnthropicMessages, &body, false))
         .unwrap();
     assert_eq!(r.url, "http://up/v1/messages");
-    let mut want = Value::Object(body.clone());
+    let mut want: Value = serde_json::from_slice(&body).unwrap();
     want["model"] = json!("native-model");
     want["max_tokens"] = json!(321);
     assert_eq!(sent(&r), want);
 
-    let body = obj(json!({"contents": [], "generationConfig": {"temperature": 0.1}, "x": 1}));
+    let body = bytes(json!({"contents": [], "generationConfig": {"temperature": 0.1}, "x": 1}));
     let r = gemini::Gemini
         .pass_through(&pass(NativeFormat::GeminiGenerate, &body, true))
         .unwrap();
@@ -709,7 +713,7 @@ fn pass_through_changes_only_model_and_cap() {
         json!({"contents": [], "generationConfig": {"temperature": 0.1, "maxOutputTokens": 321}, "x": 1})
     );
 
-    let body = obj(json!({"model": "chat", "prompt": "p", "options": {"seed": 3}}));
+    let body = bytes(json!({"model": "chat", "prompt": "p", "options": {"seed": 3}}));
     let r = ollama::Ollama
         .pass_through(&pass(NativeFormat::OllamaGenerate, &body, true))
         .unwrap();
@@ -718,7 +722,7 @@ fn pass_through_changes_only_model_and_cap() {
         sent(&r),
         json!({"model": "native-model", "prompt": "p", "options": {"seed": 3, "num_predict": 321}})
     );
-    let body = obj(json!({"model": "chat", "input": ["a"], "truncate": false}));
+    let body = bytes(json!({"model": "chat", "input": ["a"], "truncate": false}));
     let r = ollama::Ollama
         .pass_through(&pass(NativeFormat::OllamaEmbed, &body, false))
         .unwrap();
@@ -728,7 +732,7 @@ fn pass_through_changes_only_model_and_cap() {
         json!({"model": "native-model", "input": ["a"], "truncate": false})
     );
 
-    let body = obj(json!({"model": "chat", "input": "hi", "store": true}));
+    let body = bytes(json!({"model": "chat", "input": "hi", "store": true}));
     let r = openai::OpenAi
         .pass_through(&pass(NativeFormat::OpenAiResponses, &body, false))
         .unwrap();
@@ -736,6 +740,15 @@ fn pass_through_changes_only_model_and_cap() {
     assert_eq!(
         sent(&r),
         json!({"model": "native-model", "input": "hi", "store": true, "max_output_tokens": 321})
+    );
+    // The members the edit does not name keep their bytes: key order, number spelling.
+    let raw = br#"{"model":"chat","x_custom": {"z": 1, "a": [2.50, 1e3]},"max_tokens":9}"#;
+    let r = anthropic::Anthropic
+        .pass_through(&pass(NativeFormat::AnthropicMessages, raw, false))
+        .unwrap();
+    assert_eq!(
+        std::str::from_utf8(&r.body).unwrap(),
+        r#"{"model":"native-model","x_custom":{"z": 1, "a": [2.50, 1e3]},"max_tokens":321}"#
     );
 }
 

@@ -472,7 +472,7 @@ async fn governed_here(
     };
 
     // The client's own body, kept for a chain entry that speaks its format (pass-through).
-    let native_body = native_body(inb, &bytes, route, policy);
+    let native_format = native_body(inb, route, policy);
     // Govern: gates, reservation, attempts.
     let ctx = RequestCtx {
         request_id: who.request_id,
@@ -494,9 +494,9 @@ async fn governed_here(
         stream: est.stream,
         add_include_usage: est.stream && !est.include_usage && endpoint != Endpoint::Embeddings,
         untranslatable: inb.untranslatable(&body),
-        native: native_body.as_ref().map(|(format, body)| NativeBody {
-            format: *format,
-            body,
+        native: native_format.map(|format| NativeBody {
+            format,
+            body: &bytes,
         }),
     };
     let Outcome { record, served } = app
@@ -591,28 +591,22 @@ async fn governed_here(
     }
 }
 
-/// The client's body as it sent it, when its format has a pass-through pair and some entry
-/// of the route's chain speaks it; `None` otherwise (every attempt translates).
+/// The client's format, when it has a pass-through pair and some entry of the route's chain
+/// speaks it (its attempts send the client's own bytes); `None`: every attempt translates.
 fn native_body(
     inb: &Inbound,
-    bytes: &[u8],
     route: &crate::policy::Route,
     policy: &crate::policy::Policy,
-) -> Option<(NativeFormat, serde_json::Map<String, serde_json::Value>)> {
+) -> Option<NativeFormat> {
     let format = inb.native_format()?;
-    let spoken = route.chain.iter().any(|e| {
-        let b = &policy.backends[e.backend];
-        providers::for_kind(b.kind).speaks(format, b)
-    });
-    if !spoken {
-        return None;
-    }
-    // Already parsed once by the dialect: an object (an empty body is the empty object).
-    let body = match serde_json::from_slice(bytes) {
-        Ok(serde_json::Value::Object(m)) => m,
-        _ => serde_json::Map::new(),
-    };
-    Some((format, body))
+    route
+        .chain
+        .iter()
+        .any(|e| {
+            let b = &policy.backends[e.backend];
+            providers::for_kind(b.kind).speaks(format, b)
+        })
+        .then_some(format)
 }
 
 enum BodyError {

@@ -182,7 +182,8 @@ pub struct Call<'a> {
 #[derive(Debug, Clone, Copy)]
 pub struct NativeBody<'a> {
     pub format: NativeFormat,
-    pub body: &'a serde_json::Map<String, Value>,
+    /// The client's body as it sent it.
+    pub body: &'a [u8],
 }
 
 /// Client headers that never go upstream: hop-by-hop, credentials, our own.
@@ -264,7 +265,7 @@ impl Call<'_> {
             Some(n) => provider.pass_through(&PassCtx {
                 base_url: &backend.base_url,
                 format: n.format,
-                body: n.body,
+                raw: n.body,
                 model: spec.model,
                 max_output_tokens: spec.max_output_tokens,
                 stream: self.stream,
