@@ -204,6 +204,48 @@ async fn expect_continue_past_the_limit_is_answered_413_not_100() {
     sc.stop().await;
 }
 
+/// Requests hyper cannot parse get their status with an error body in OpenAI's shape (not an
+/// empty answer), are never forwarded, and close the connection.
+#[tokio::test]
+async fn protocol_rejections_carry_an_error_body() {
+    let up = MockUpstream::start(vec![]).await;
+    let sc = Sidecar::start(&policy(&up, "", "")).await;
+    let many: String = (0..150).map(|i| format!("x-h{i}: v\r\n")).collect();
+    let cases: Vec<(Vec<u8>, &str, &str)> = vec![
+        (
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\n{}".to_vec(),
+            "HTTP/1.1 400",
+            "malformed_request",
+        ),
+        (
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-a: a\x00b\r\ncontent-length: 2\r\n\r\n{}".to_vec(),
+            "HTTP/1.1 400",
+            "malformed_request",
+        ),
+        (
+            format!("POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n{many}content-length: 2\r\n\r\n{{}}").into_bytes(),
+            "HTTP/1.1 431",
+            "headers_too_large",
+        ),
+    ];
+    for (raw, status, code) in cases {
+        let mut s = TcpStream::connect(sc.running.addr).await.unwrap();
+        s.write_all(&raw).await.unwrap();
+        let got = read_to_close(&mut s, Duration::from_secs(5)).await.unwrap();
+        assert!(got.starts_with(status), "{got}");
+        let (head, body) = got.split_once("\r\n\r\n").unwrap();
+        assert!(head.contains("content-type: application/json"), "{head}");
+        let v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {got}"));
+        assert_eq!(v["error"]["code"], code, "{got}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{got}");
+    }
+    assert_eq!(up.hits(), 0, "nothing unparsable reaches the upstream");
+    // The port still serves.
+    let (code, _, _) = post_json(&sc.chat_url(), &chat(), &[]).await;
+    assert_ne!(code, 0);
+    sc.stop().await;
+}
+
 fn gzip(data: &[u8]) -> Bytes {
     let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
     e.write_all(data).unwrap();

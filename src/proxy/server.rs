@@ -101,7 +101,7 @@ pub async fn serve<F, Fut>(
                         return;
                     }
                     let conn = builder(header_timeout)
-                        .serve_connection(TokioIo::new(stream), service_fn(svc))
+                        .serve_connection(TokioIo::new(conn::Shaped::new(stream, port)), service_fn(svc))
                         .into_owned();
                     let _ = watcher.watch(conn).await;
                 });
