@@ -450,3 +450,6 @@ pub fn is_hop_by_hop(name: &HeaderName) -> bool {
             | "host"
     )
 }
+
+#[cfg(test)]
+mod tests;

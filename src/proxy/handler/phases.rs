@@ -249,11 +249,7 @@ impl<'a> Ctx<'a> {
     }
 
     /// Reconcile what the governor served: settle the call with its usage and answer.
-    async fn reconcile(
-        self,
-        served: Served<UpstreamResponse>,
-        est: &Estimate,
-    ) -> Response<Body> {
+    async fn reconcile(self, served: Served<UpstreamResponse>, est: &Estimate) -> Response<Body> {
         match served {
             Served::Upstream {
                 mut payload,
