@@ -20,6 +20,9 @@ pub struct Origin {
 }
 
 /// How the answer went out.
+// Built once per request and moved straight into `close`: boxing the trace would only add an
+// allocation per stream.
+#[allow(clippy::large_enum_variant)]
 pub enum Sent {
     /// In one piece (buffered, static, a refusal): its wall time is the sidecar's overhead
     /// plus the upstream's, and its span is still in the request task's scope.
