@@ -6,7 +6,7 @@ use super::handler::App;
 use super::identity::{self, IdentityError};
 use super::respond::{self, full, Body, Refusal};
 use super::snapshot::Snapshot;
-use crate::governor::{ReasonClass, Record};
+use crate::governor::Record;
 use crate::ledger::{job_key, CounterKey, WindowSet};
 use crate::policy::{Bound, Policy};
 use crate::units::{micros_to_usd, Amount, Dim, Scope};
@@ -190,20 +190,7 @@ fn rfc3339(policy: &Policy, ms: i64) -> String {
 
 fn refused(snap: &Snapshot, e: IdentityError) -> Response<Body> {
     let id = identity::new_request_id();
-    let (reason, r) = match e {
-        IdentityError::BadHeader(_) => (
-            ReasonClass::BadRequest,
-            Refusal::BadRequest {
-                message: e.message(),
-                param: None,
-                code: "invalid_header",
-            },
-        ),
-        _ => (
-            ReasonClass::Unauthenticated,
-            Refusal::Unauthenticated(e.message()),
-        ),
-    };
+    let r = Refusal::from(e);
     let rec = Record::new(
         snap.policy.version.clone(),
         id.clone(),
@@ -211,8 +198,7 @@ fn refused(snap: &Snapshot, e: IdentityError) -> Response<Body> {
         Arc::from("none"),
         Arc::from(PATH),
     );
-    let status = r.status(&rec).as_u16();
-    let rec = rec.refused_early(reason, status, format!("{r:?}"));
+    let rec = r.record_early(rec);
     respond::refusal(&r, &rec, snap)
 }
 

@@ -3,6 +3,7 @@
 
 mod conn;
 mod encoding;
+pub mod finish;
 pub mod handler;
 pub mod identity;
 mod limit_headers;

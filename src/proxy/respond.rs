@@ -1,9 +1,10 @@
 //! Every response the sidecar makes itself, and the headers every governed response carries.
 //! One exhaustive mapping from what went wrong to an HTTP status and an OpenAI error body.
 
+use super::identity::IdentityError;
 use super::snapshot::Snapshot;
 use crate::dialect::Dialect;
-use crate::estimate::Endpoint;
+use crate::estimate::{Endpoint, EstimateError};
 use crate::governor::limits::LimitDetail;
 use crate::governor::{FinalAction, ReasonClass, Record};
 use crate::units::fmt_amount;
@@ -38,7 +39,108 @@ pub enum Refusal {
     Governed,
 }
 
+/// Why a request body could not be read: each becomes a [`Refusal`] (below), whose message
+/// and code are fixed here.
+#[derive(Debug)]
+pub enum BodyError {
+    /// Over `server.max_body_bytes` (`limit`), as sent, as declared, or once decoded.
+    TooLarge { limit: u64 },
+    /// Not received within the body read timeout.
+    Timeout(std::time::Duration),
+    /// The connection failed while the body was read.
+    Broken(hyper::Error),
+    /// A `Content-Encoding` not decoded here.
+    Encoding(String),
+    /// Not valid data of its `Content-Encoding`.
+    Corrupt(String),
+}
+
+impl From<BodyError> for Refusal {
+    fn from(e: BodyError) -> Self {
+        match e {
+            BodyError::TooLarge { limit } => Refusal::TooLarge { limit },
+            BodyError::Encoding(c) => Refusal::UnsupportedEncoding(c),
+            BodyError::Corrupt(m) => Refusal::BadRequest {
+                message: format!("the request body is not valid for its Content-Encoding: {m}"),
+                param: None,
+                code: "bad_content_encoding",
+            },
+            BodyError::Timeout(t) => Refusal::BadRequest {
+                message: format!("the request body was not received within {} s", t.as_secs()),
+                param: None,
+                code: "body_timeout",
+            },
+            BodyError::Broken(e) => Refusal::BadRequest {
+                message: format!("cannot read the request body: {e}"),
+                param: None,
+                code: "bad_body",
+            },
+        }
+    }
+}
+
+impl From<IdentityError> for Refusal {
+    fn from(e: IdentityError) -> Self {
+        match e {
+            IdentityError::UnknownKey | IdentityError::MissingKey => {
+                Refusal::Unauthenticated(e.message())
+            }
+            IdentityError::BadHeader(_) => Refusal::BadRequest {
+                message: e.message(),
+                param: None,
+                code: "invalid_header",
+            },
+        }
+    }
+}
+
+impl From<EstimateError> for Refusal {
+    fn from(e: EstimateError) -> Self {
+        Refusal::BadRequest {
+            message: e.to_string(),
+            param: e.param().map(str::to_string),
+            code: e.code(),
+        }
+    }
+}
+
 impl Refusal {
+    /// A body that does not parse as the endpoint's JSON (`message` says why).
+    pub fn invalid_json(message: String) -> Self {
+        Refusal::BadRequest {
+            message,
+            param: None,
+            code: "invalid_json",
+        }
+    }
+
+    /// An OpenAI-path body that does not parse as a JSON object.
+    pub fn not_json_object(e: &serde_json::Error) -> Self {
+        Refusal::invalid_json(format!("the request body is not a JSON object: {e}"))
+    }
+
+    /// The reason class of the record of a refusal.
+    pub fn reason_class(&self, rec: &Record) -> ReasonClass {
+        match self {
+            Refusal::Unauthenticated(_) => ReasonClass::Unauthenticated,
+            Refusal::BadRequest { .. }
+            | Refusal::TooLarge { .. }
+            | Refusal::UnknownModel(_)
+            | Refusal::NotFound(_)
+            | Refusal::MethodNotAllowed
+            | Refusal::UnsupportedEncoding(_) => ReasonClass::BadRequest,
+            Refusal::Governed => rec.reason_class,
+        }
+    }
+
+    /// The record of a refusal made before the governor ran: HARD_STOP with this refusal's
+    /// status and reason, nothing called or reserved.
+    pub fn record_early(&self, rec: Record) -> Record {
+        let status = self.status(&rec).as_u16();
+        let reason = self.reason_class(&rec);
+        rec.refused_early(reason, status, format!("{self:?}"))
+    }
+
     pub fn status(&self, rec: &Record) -> StatusCode {
         match self {
             Refusal::BadRequest { .. } => StatusCode::BAD_REQUEST,
@@ -348,3 +450,6 @@ pub fn is_hop_by_hop(name: &HeaderName) -> bool {
             | "host"
     )
 }
+
+#[cfg(test)]
+mod tests;

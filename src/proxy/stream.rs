@@ -2,10 +2,11 @@
 //! and counts output on the way, and the call is settled exactly once however the stream
 //! ends — completed, upstream error, timeout, over its reservation, or the client gone.
 
+use super::finish::{close, Origin, Sent};
 use super::respond::{Body, BoxError};
 use super::snapshot::Snapshot;
 use super::transport::InFlight;
-use crate::audit::{Audit, Entry};
+use crate::audit::Audit;
 use crate::dialect::Dialect;
 use crate::governor::{BudgetState, Governor, Pending, ReasonClass, Record, UsageEvidence};
 use crate::providers::StreamTranslator;
@@ -24,16 +25,14 @@ pub struct Tail {
     pub governor: Arc<Governor>,
     pub snap: Arc<Snapshot>,
     pub audit: Audit,
-    pub endpoint: &'static str,
-    /// The client's dialect, for the audit record and metrics.
-    pub api: &'static str,
+    /// Where and when the request came in, for the audit record and metrics.
+    pub origin: Origin,
     pub pending: Pending,
     pub record: Record,
     pub input_tokens: u64,
     /// Output tokens reserved for this call (cap × n): the mid-stream guard's bound.
     pub max_output_total: u64,
     pub hide_usage: bool,
-    pub started: Instant,
     /// The backend's in-flight slot: given back when the stream ends.
     pub permit: Option<InFlight>,
     /// The request's OpenTelemetry trace, ended with the stream.
@@ -160,13 +159,11 @@ impl Metered {
             governor,
             snap,
             audit,
-            endpoint,
-            api,
+            origin,
             pending,
             mut record,
             input_tokens,
             max_output_total,
-            started,
             permit,
             otel,
             ..
@@ -220,19 +217,7 @@ impl Metered {
             }
             End::Complete => {}
         }
-        let now = jiff::Timestamp::now();
-        let entry = Entry {
-            ts: now.to_string(),
-            endpoint,
-            api,
-            latency_ms: started.elapsed().as_secs_f64() * 1000.0,
-            record,
-        };
-        let windows = governor.windows_at(&policy.windows, now.as_millisecond());
-        crate::telemetry::observe_stream(&entry, windows, &policy.alerts);
-        if let Some(t) = otel {
-            t.finish(&entry);
-        }
+        let entry = close(&governor, policy, origin, record, Sent::Streamed(otel));
         // Drop may run outside an async context: hand the record to a task when we can.
         match tokio::runtime::Handle::try_current() {
             Ok(h) => {

@@ -1,0 +1,283 @@
+//! The data port: the router, answers made locally (listings, `/api/show`), and each
+//! governed request run in a task of its own as named phases over a per-request context
+//! ([`phases`]): identify → read → estimate → route → govern (gates, reserve, call) →
+//! reconcile → record.
+
+use super::finish::{close, Origin, Sent};
+use super::respond::{self, full, Body, Refusal};
+use super::snapshot::Snapshot;
+use super::transport::Transport;
+use crate::audit::Audit;
+use crate::dialect::{self, render::Meta, Dialect, Inbound, Op, Rendered, Routed};
+use crate::estimate::Endpoint;
+use crate::governor::{Governor, ReasonClass, Record};
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use http::{HeaderValue, Method, Request, Response, StatusCode};
+use hyper::body::Incoming;
+use serde::Deserialize;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+mod body;
+mod phases;
+mod usage;
+
+/// Everything a request needs, shared by all connections.
+pub struct App {
+    pub snap: ArcSwap<Snapshot>,
+    pub governor: Arc<Governor>,
+    pub transport: Transport,
+    pub audit: Audit,
+}
+
+impl std::fmt::Debug for App {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("App")
+            .field("version", &self.snap.load().policy.version)
+            .finish()
+    }
+}
+
+fn endpoint_name(e: Endpoint) -> &'static str {
+    match e {
+        Endpoint::Chat => "chat.completions",
+        Endpoint::Completions => "completions",
+        Endpoint::Embeddings => "embeddings",
+    }
+}
+
+/// The data port's router.
+pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    let t0 = Instant::now();
+    let snap = app.snap.load_full();
+    let routed = dialect::route(req.method(), req.uri().path(), req.uri().query());
+    let routed = match routed {
+        Some(Routed::Found(inb)) => {
+            // Boxed as a `Send` future: rustc cannot otherwise prove the dialect path's
+            // future Send for every lifetime (a known limitation, rust-lang/rust#110338).
+            let fut: std::pin::Pin<Box<dyn std::future::Future<Output = Response<Body>> + Send>> =
+                Box::pin(inbound(app, snap, inb, req, t0));
+            return Ok(fut.await);
+        }
+        other => other,
+    };
+    let endpoint = match (req.method(), req.uri().path()) {
+        (&Method::POST, "/v1/chat/completions") => Endpoint::Chat,
+        (&Method::POST, "/v1/completions") => Endpoint::Completions,
+        (&Method::POST, "/v1/embeddings") => Endpoint::Embeddings,
+        (&Method::GET, "/v1/models") => {
+            let mut r = Response::new(full(snap.models_body.clone()));
+            r.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            return Ok(r);
+        }
+        (&Method::GET, super::limits_view::PATH) => {
+            return Ok(super::limits_view::answer(&app, &snap, req.headers()));
+        }
+        (_, p @ super::limits_view::PATH) => {
+            let rec = bare_record(&snap, p, 405);
+            let resp = respond::refusal(&Refusal::MethodNotAllowed, &rec, &snap);
+            finish(&app, unknown(Dialect::OpenAi, t0), rec).await;
+            return Ok(resp);
+        }
+        (_, p) => {
+            // Not governed, but audited and counted like every other refusal, in the
+            // shape of the dialect whose path prefix it used.
+            let governed_path = matches!(
+                p,
+                "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" | "/v1/models"
+            );
+            let (d, r, status) = match routed {
+                Some(Routed::MethodNotAllowed(d)) => (d, Refusal::MethodNotAllowed, 405),
+                Some(Routed::NotFound(d) | Routed::Found(Inbound { dialect: d, .. })) => {
+                    (d, Refusal::NotFound(p.to_string()), 404)
+                }
+                None if governed_path => (Dialect::OpenAi, Refusal::MethodNotAllowed, 405),
+                None => (Dialect::OpenAi, Refusal::NotFound(p.to_string()), 404),
+            };
+            let rec = bare_record(&snap, p, status);
+            let resp = respond::refusal_in(d, &r, &rec, &snap);
+            finish(&app, unknown(d, t0), rec).await;
+            return Ok(resp);
+        }
+    };
+    Ok(governed(&app, snap, endpoint, Inbound::openai(), req, t0)
+        .await
+        .0)
+}
+
+/// A request on another dialect's path: answered locally (listings) or governed in the
+/// internal form and rendered back in the dialect.
+async fn inbound(
+    app: Arc<App>,
+    snap: Arc<Snapshot>,
+    inb: Inbound,
+    req: Request<Incoming>,
+    t0: Instant,
+) -> Response<Body> {
+    let op = inb.op;
+    let local = match op {
+        Op::List => Some(list(inb.dialect, &snap)),
+        Op::Version => Some(serde_json::json!({"version": dialect::ollama::VERSION})),
+        Op::Show => {
+            let body = body::read(req.into_body(), 64 * 1024)
+                .await
+                .unwrap_or_default();
+            return show(&body, &snap);
+        }
+        _ => None,
+    };
+    if let Some(v) = local {
+        return local_json(v);
+    }
+    let endpoint = inb.endpoint();
+    let (resp, meta) = governed(&app, snap, endpoint, inb.clone(), req, t0).await;
+    Rendered::respond(inb, meta, resp).await
+}
+
+/// Ollama's `/api/show` of a route alias.
+fn show(body: &[u8], snap: &Snapshot) -> Response<Body> {
+    #[derive(Deserialize)]
+    struct Show {
+        #[serde(default)]
+        model: String,
+    }
+    let model = serde_json::from_slice::<Show>(body)
+        .map(|s| s.model)
+        .unwrap_or_default();
+    if snap.policy.route(&model).is_none() {
+        let rec = bare_record(snap, "/api/show", 404);
+        let r = Refusal::UnknownModel(model);
+        return respond::refusal_in(Dialect::Ollama, &r, &rec, snap);
+    }
+    local_json(dialect::ollama::show(&model))
+}
+
+fn list(d: Dialect, snap: &Snapshot) -> serde_json::Value {
+    let aliases: Vec<&str> = snap.policy.routes.iter().map(|r| &*r.model).collect();
+    dialect::list_body(d, &aliases)
+}
+
+fn local_json(v: serde_json::Value) -> Response<Body> {
+    let mut r = Response::new(full(v.to_string()));
+    r.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+/// Longest path kept as the route of an unknown endpoint's record.
+const MAX_PATH_KEPT: usize = 200;
+
+fn bare_record(snap: &Snapshot, path: &str, status: u16) -> Record {
+    let id = super::identity::new_request_id();
+    let mut end = path.len().min(MAX_PATH_KEPT);
+    while !path.is_char_boundary(end) {
+        end -= 1;
+    }
+    Record::new(
+        snap.policy.version.clone(),
+        id.clone(),
+        id,
+        Arc::from("none"),
+        Arc::from(&path[..end]),
+    )
+    .refused_early(ReasonClass::BadRequest, status, "not governed".into())
+}
+
+tokio::task_local! {
+    /// Set when the client of the request this task serves has gone away.
+    static CLIENT_GONE: Arc<AtomicBool>;
+}
+
+/// Sets the flag when dropped armed: hyper dropped the service future (the client hung up).
+struct Watch(Option<Arc<AtomicBool>>);
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f.store(true, Ordering::Release);
+        }
+    }
+}
+
+/// Runs one governed request in a task of its own. hyper drops the service future when the
+/// client hangs up; a call that reached the upstream must still be reconciled (its usage
+/// committed, its hold released then, its audit record written), so the work is not tied to
+/// that future: it always runs to its end, bounded by the body read and upstream timeouts.
+async fn governed(
+    app: &Arc<App>,
+    snap: Arc<Snapshot>,
+    endpoint: Endpoint,
+    inb: Inbound,
+    req: Request<Incoming>,
+    t0: Instant,
+) -> (Response<Body>, Meta) {
+    let gone = Arc::new(AtomicBool::new(false));
+    let mut watch = Watch(Some(gone.clone()));
+    let app = app.clone();
+    // The request's trace (when OTLP export is on) lives in the task that does the work.
+    let trace = crate::telemetry::otel::get().map(|o| o.start(req.headers(), endpoint));
+    let work = CLIENT_GONE.scope(gone, async move {
+        let mut meta = Meta::default();
+        let fut: std::pin::Pin<Box<dyn std::future::Future<Output = Response<Body>> + Send + '_>> =
+            Box::pin(phases::governed_here(
+                &app, snap, endpoint, &inb, &mut meta, req, t0,
+            ));
+        let resp = match trace {
+            None => fut.await,
+            Some(t) => crate::telemetry::otel::scope(t, fut).await,
+        };
+        (resp, meta)
+    });
+    let out = match tokio::spawn(work).await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(error = %e, "the governed request task failed");
+            let mut r = Response::new(full(Bytes::from_static(
+                b"{\"error\":{\"message\":\"internal error\",\"type\":\"tollgate_error\",\"param\":null,\"code\":\"internal_error\"}}",
+            )));
+            *r.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+            (r, Meta::default())
+        }
+    };
+    watch.0 = None;
+    out
+}
+
+/// Whether the client of the request this task serves has gone away.
+fn client_gone() -> bool {
+    CLIENT_GONE
+        .try_with(|g| g.load(Ordering::Acquire))
+        .unwrap_or(false)
+}
+
+/// Where a request on a path not governed came in.
+fn unknown(api: Dialect, at: Instant) -> Origin {
+    Origin {
+        endpoint: "unknown",
+        api: api.as_str(),
+        at,
+    }
+}
+
+/// Records a request answered in one piece (see [`close`]); a client gone by now is noted.
+async fn finish(app: &App, origin: Origin, mut record: Record) {
+    if client_gone() {
+        record.client_disconnected = true;
+    }
+    let entry = close(
+        &app.governor,
+        &app.snap.load().policy,
+        origin,
+        record,
+        Sent::Whole,
+    );
+    app.audit.record(entry).await;
+}

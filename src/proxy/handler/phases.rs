@@ -1,0 +1,442 @@
+//! One governed request as named phases over a per-request context ([`Ctx`]):
+//! `identify` → `read_body` → `parse_and_estimate` → (`count`) → `route` → `govern` →
+//! `reconcile`. Each phase before the governor hands the next its input or a [`Refusal`];
+//! every refusal returns through [`Ctx::early`], every answer made whole through
+//! [`Ctx::finish`], and a streamed answer through the stream's own end (both record it with
+//! [`finish::close`](super::super::finish::close)).
+
+use super::super::identity::{self, Identity};
+use super::super::redact;
+use super::super::respond::{self, full, is_hop_by_hop, Body, Refusal};
+use super::super::snapshot::Snapshot;
+use super::super::stream::{self, StreamWire};
+use super::super::transport::{Call, NativeBody, UpBody, UpstreamResponse};
+use super::{body, endpoint_name, finish, local_json, usage, App, Origin};
+use crate::dialect::{self, render::Meta, Dialect, Inbound, Op};
+use crate::estimate::{self, Endpoint, Estimate};
+use crate::governor::{Outcome, Pending, Record, RequestCtx, Served, SystemClock};
+use crate::policy::{Policy, Route};
+use crate::providers::{self, NativeFormat, Wire};
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use hyper::body::Incoming;
+use serde_json::{Map, Value};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Runs the phases of one governed request.
+pub(super) async fn governed_here(
+    app: &App,
+    snap: Arc<Snapshot>,
+    endpoint: Endpoint,
+    inb: &Inbound,
+    meta: &mut Meta,
+    req: Request<Incoming>,
+    t0: Instant,
+) -> Response<Body> {
+    let (mut parts, body) = req.into_parts();
+    let (rec, who) = identify(inb, &mut parts.headers, &snap);
+    let mut cx = Ctx {
+        app,
+        snap: &snap,
+        inb,
+        endpoint,
+        t0,
+        meta,
+        rec,
+    };
+    let ready = match cx.prepare(who, &mut parts.headers, body).await {
+        Ok(Next::Govern(ready)) => ready,
+        Ok(Next::Answered(resp)) => return resp,
+        Err(refusal) => return cx.early(refusal).await,
+    };
+    let (served, est) = cx.govern(ready, &parts.headers).await;
+    cx.reconcile(served, &est).await
+}
+
+/// What one request carries from phase to phase.
+struct Ctx<'a> {
+    app: &'a App,
+    /// The policy snapshot the request started under; it keeps it to the end.
+    snap: &'a Arc<Snapshot>,
+    inb: &'a Inbound,
+    endpoint: Endpoint,
+    t0: Instant,
+    /// What the dialect renders its answer with (model, id, input estimate, wire).
+    meta: &'a mut Meta,
+    /// The decision record: the caller's from `identify`, the governor's from `govern`.
+    rec: Record,
+}
+
+/// Where the phases before the governor lead.
+enum Next<'a> {
+    /// To the governor, with what it needs.
+    Govern(Ready<'a>),
+    /// Answered locally, never charged nor recorded (token counting).
+    Answered(Response<Body>),
+}
+
+/// A request ready for the governor: identified, read, estimated, routed.
+struct Ready<'a> {
+    who: Identity,
+    bytes: Bytes,
+    body: Map<String, Value>,
+    est: Estimate,
+    route: &'a Route,
+}
+
+/// Identify: the caller and the request's ids. Dialects carry the key in their own header
+/// (or query): it is copied to the one bearer `identify` reads. The request's record either
+/// way: the caller's, or one under the request id alone for a refusal.
+fn identify(
+    inb: &Inbound,
+    headers: &mut HeaderMap,
+    snap: &Snapshot,
+) -> (Record, Result<Identity, Refusal>) {
+    if let Some(v) = inb
+        .bearer(headers)
+        .and_then(|b| HeaderValue::from_str(&b).ok())
+    {
+        headers.insert(http::header::AUTHORIZATION, v);
+    }
+    let version = snap.policy.version.clone();
+    match identity::identify(headers, snap) {
+        Ok(who) => {
+            let mut rec = Record::new(
+                version,
+                who.request_id.clone(),
+                who.job_id.clone(),
+                who.consumer.clone(),
+                Arc::from(""),
+            );
+            rec.team = who.team.clone();
+            (rec, Ok(who))
+        }
+        Err((rid, e)) => {
+            let rec = Record::new(version, rid.clone(), rid, Arc::from("none"), Arc::from(""));
+            (rec, Err(e.into()))
+        }
+    }
+}
+
+impl<'a> Ctx<'a> {
+    /// The phases before the governor, in order.
+    async fn prepare(
+        &mut self,
+        who: Result<Identity, Refusal>,
+        headers: &mut HeaderMap,
+        body: Incoming,
+    ) -> Result<Next<'a>, Refusal> {
+        let who = who?;
+        let bytes = self.read_body(headers, body).await?;
+        let (body, est) = self.parse_and_estimate(&bytes)?;
+        if let Some(answer) = self.count(&est) {
+            return Ok(Next::Answered(answer));
+        }
+        let route = self.route(&est)?;
+        Ok(Next::Govern(Ready {
+            who,
+            bytes,
+            body,
+            est,
+            route,
+        }))
+    }
+
+    /// Read the body, bounded and decoded.
+    async fn read_body(&self, headers: &mut HeaderMap, b: Incoming) -> Result<Bytes, Refusal> {
+        let limit = self.snap.policy.server.max_body_bytes;
+        Ok(body::read_decoded(headers, b, limit).await?)
+    }
+
+    /// Parse the body into the internal form and estimate it; the answer's meta is known now.
+    fn parse_and_estimate(
+        &mut self,
+        bytes: &[u8],
+    ) -> Result<(Map<String, Value>, Estimate), Refusal> {
+        let parsed = match self.inb.dialect {
+            Dialect::OpenAi => {
+                serde_json::from_slice(bytes).map_err(|e| Refusal::not_json_object(&e))
+            }
+            _ => self.inb.parse(bytes).map_err(Refusal::invalid_json),
+        };
+        let body = parsed?;
+        let tokenizer = self.snap.policy.estimate.tokenizer;
+        let est = estimate::estimate_object(self.endpoint, &body, tokenizer)?;
+        *self.meta = Meta {
+            model: est.model.clone(),
+            id: self.rec.request_id.to_string(),
+            created: jiff::Timestamp::now().as_second(),
+            input_estimate: est.input_tokens,
+            stream: est.stream,
+            local: false,
+            wire: Wire::Translated,
+        };
+        Ok((body, est))
+    }
+
+    /// Counting is answered from the estimate and never charged.
+    fn count(&mut self, est: &Estimate) -> Option<Response<Body>> {
+        if self.inb.op != Op::Count {
+            return None;
+        }
+        self.meta.local = true;
+        Some(local_json(dialect::count_body(
+            self.inb.dialect,
+            est.input_tokens,
+        )))
+    }
+
+    /// The route of the request's model alias.
+    fn route(&mut self, est: &Estimate) -> Result<&'a Route, Refusal> {
+        let snap: &'a Arc<Snapshot> = self.snap;
+        snap.policy.route(&est.model).ok_or_else(|| {
+            self.rec.route = Arc::from(est.model.as_str());
+            Refusal::UnknownModel(est.model.clone())
+        })
+    }
+
+    /// Govern: gates, reservation, attempts (`Governor::govern`). The record becomes the
+    /// governor's.
+    async fn govern(
+        &mut self,
+        ready: Ready<'a>,
+        headers: &HeaderMap,
+    ) -> (Served<UpstreamResponse>, Estimate) {
+        let Ready {
+            who,
+            bytes,
+            body,
+            est,
+            route,
+        } = ready;
+        let (app, snap, endpoint) = (self.app, self.snap, self.endpoint);
+        let policy = &snap.policy;
+        // The client's own body, kept for a chain entry that speaks its format (pass-through).
+        let native_format = native_format(self.inb, route, policy);
+        let ctx = RequestCtx {
+            request_id: who.request_id,
+            job_id: who.job_id,
+            consumer: who.consumer,
+            team: who.team,
+            input_tokens: est.input_tokens,
+            max_output_tokens: est.max_output_tokens,
+            n: est.n,
+            static_ok: endpoint != Endpoint::Embeddings,
+        };
+        let call = Call {
+            transport: &app.transport,
+            snap,
+            endpoint,
+            request_id: &ctx.request_id,
+            body: &body,
+            client_headers: headers,
+            stream: est.stream,
+            add_include_usage: adds_include_usage(endpoint, &est),
+            untranslatable: self.inb.untranslatable(&body),
+            native: native_format.map(|format| NativeBody {
+                format,
+                body: &bytes,
+            }),
+        };
+        let Outcome { record, served } = app
+            .governor
+            .govern(policy, route, &ctx, &call, &SystemClock)
+            .await;
+        self.rec = record;
+        self.rec.team = ctx.team.clone();
+        (served, est)
+    }
+
+    /// Reconcile what the governor served: settle the call with its usage and answer.
+    async fn reconcile(self, served: Served<UpstreamResponse>, est: &Estimate) -> Response<Body> {
+        match served {
+            Served::Upstream {
+                mut payload,
+                pending,
+            } => {
+                self.meta.wire = payload.wire;
+                // The body goes its own way (buffered or streamed); the rest stays.
+                match std::mem::replace(&mut payload.body, UpBody::Buffered(Bytes::new())) {
+                    UpBody::Buffered(b) => self.buffered(payload, b, pending, est).await,
+                    UpBody::Stream(s) => self.streamed(payload, s, pending, est),
+                }
+            }
+            Served::Passthrough { payload } => {
+                self.meta.wire = payload.wire;
+                let b = match payload.body {
+                    UpBody::Buffered(b) => b,
+                    UpBody::Stream(_) => Bytes::new(),
+                };
+                let b = redact::bytes(self.snap, b);
+                let resp = upstream_response(
+                    payload.status,
+                    &payload.headers,
+                    full(b),
+                    &self.rec,
+                    self.snap,
+                );
+                self.finish(resp).await
+            }
+            Served::Static(text) => {
+                let resp = respond::static_answer(
+                    &text,
+                    self.endpoint,
+                    est.stream,
+                    est.include_usage,
+                    &self.rec,
+                    self.snap,
+                );
+                self.finish(resp).await
+            }
+            Served::Refused => {
+                let resp = respond::refusal(&Refusal::Governed, &self.rec, self.snap);
+                self.finish(resp).await
+            }
+        }
+    }
+
+    /// A buffered answer: metered (a passed-through one from its internal form), settled,
+    /// redacted, recorded.
+    async fn buffered(
+        mut self,
+        up: UpstreamResponse,
+        b: Bytes,
+        pending: Pending,
+        est: &Estimate,
+    ) -> Response<Body> {
+        let policy = &self.snap.policy;
+        let internal = up.internal.as_ref().unwrap_or(&b);
+        crate::telemetry::otel::note_body(internal);
+        let (usage, evidence) = usage::buffered_usage(internal, est, policy.estimate.tokenizer);
+        self.app
+            .governor
+            .settle(policy, &mut self.rec, pending, usage, evidence);
+        let b = redact::bytes(self.snap, b);
+        let mut resp = upstream_response(up.status, &up.headers, full(b), &self.rec, self.snap);
+        cap_header(&mut resp, &self.rec, self.endpoint, est.max_output_tokens);
+        self.finish(resp).await
+    }
+
+    /// A streamed answer: metered on the way; the stream settles and records the call when
+    /// it ends (see [`stream::metered`]).
+    fn streamed(
+        self,
+        up: UpstreamResponse,
+        incoming: Incoming,
+        pending: Pending,
+        est: &Estimate,
+    ) -> Response<Body> {
+        // The usage chunk tollgate asked for (OpenAI) or a translated native stream always
+        // ends with is hidden unless the client asked for it.
+        let hide_usage = adds_include_usage(self.endpoint, est);
+        let tail = stream::Tail {
+            governor: self.app.governor.clone(),
+            snap: self.snap.clone(),
+            audit: self.app.audit.clone(),
+            origin: self.origin(),
+            pending,
+            record: self.rec.clone(),
+            input_tokens: est.input_tokens,
+            max_output_total: self.rec.upstream_max_tokens.unwrap_or(0) * u64::from(est.n.max(1)),
+            hide_usage,
+            permit: up.permit,
+            otel: crate::telemetry::otel::take(),
+        };
+        let wire = match (up.wire, up.translate) {
+            (_, None) => StreamWire::Internal,
+            (Wire::Translated, Some(t)) => StreamWire::Translated(t),
+            (Wire::PassThrough, Some(t)) => StreamWire::PassThrough(t, self.inb.dialect),
+        };
+        let body = stream::metered(incoming, wire, tail, up.deadline);
+        let mut resp = upstream_response(up.status, &up.headers, body, &self.rec, self.snap);
+        cap_header(&mut resp, &self.rec, self.endpoint, est.max_output_tokens);
+        resp
+    }
+
+    /// A refusal before the governor ran: no call, no reservation.
+    async fn early(self, r: Refusal) -> Response<Body> {
+        let origin = self.origin();
+        let rec = r.record_early(self.rec);
+        let resp = respond::refusal(&r, &rec, self.snap);
+        finish(self.app, origin, rec).await;
+        resp
+    }
+
+    /// Records the request and hands back its answer (everything but a stream).
+    async fn finish(self, resp: Response<Body>) -> Response<Body> {
+        finish(self.app, self.origin(), self.rec).await;
+        resp
+    }
+
+    fn origin(&self) -> Origin {
+        Origin {
+            endpoint: endpoint_name(self.endpoint),
+            api: self.inb.dialect.as_str(),
+            at: self.t0,
+        }
+    }
+}
+
+/// Whether tollgate asks a stream for its usage chunk the client did not ask for.
+fn adds_include_usage(endpoint: Endpoint, est: &Estimate) -> bool {
+    est.stream && !est.include_usage && endpoint != Endpoint::Embeddings
+}
+
+/// The client's format, when it has a pass-through pair and some entry of the route's chain
+/// speaks it (its attempts send the client's own bytes); `None`: every attempt translates.
+fn native_format(inb: &Inbound, route: &Route, policy: &Policy) -> Option<NativeFormat> {
+    let format = inb.native_format()?;
+    route
+        .chain
+        .iter()
+        .any(|e| {
+            let b = &policy.backends[e.backend];
+            providers::for_kind(b.kind).speaks(format, b)
+        })
+        .then_some(format)
+}
+
+/// `x-tollgate-output-cap: <n>`: the output cap per choice sent upstream, with `; injected`
+/// when the client sent none (the route's or the policy's default) and `; clamped` when it
+/// is below the client's own (a soft budget's degrade).
+fn cap_header(resp: &mut Response<Body>, rec: &Record, endpoint: Endpoint, client: Option<u64>) {
+    let Some(n) = rec
+        .upstream_max_tokens
+        .filter(|_| endpoint != Endpoint::Embeddings)
+    else {
+        return;
+    };
+    let v = match client {
+        None => HeaderValue::from_str(&format!("{n}; injected")),
+        Some(c) if n < c => HeaderValue::from_str(&format!("{n}; clamped")),
+        Some(_) => Ok(HeaderValue::from(n)),
+    };
+    if let Ok(v) = v {
+        resp.headers_mut().insert(H_OUTPUT_CAP, v);
+    }
+}
+
+const H_OUTPUT_CAP: http::HeaderName = http::HeaderName::from_static("x-tollgate-output-cap");
+
+fn upstream_response(
+    status: StatusCode,
+    headers: &HeaderMap,
+    body: Body,
+    rec: &Record,
+    snap: &Snapshot,
+) -> Response<Body> {
+    let mut resp = Response::new(body);
+    *resp.status_mut() = status;
+    let h = resp.headers_mut();
+    for (k, v) in headers {
+        if !is_hop_by_hop(k) {
+            h.append(k.clone(), v.clone());
+        }
+    }
+    // The body may have been rewritten (redacted); hyper sets the length of a full body.
+    h.remove(http::header::CONTENT_LENGTH);
+    redact::headers(snap, h);
+    respond::stamp(h, rec, snap);
+    resp
+}
