@@ -11,9 +11,8 @@ use proptest::test_runner::FileFailurePersistence;
 use serde_json::Value;
 use tollgate::estimate::{self, Endpoint, Tokenizer};
 use tollgate::policy::BackendKind;
-use tollgate::providers::sse::{EventSplitter, LineSplitter, Splitter};
 use tollgate::providers::{self, Envelope};
-use tollgate::stream::SseMeter;
+use tollgate::stream::{EventSplitter, LineSplitter, Splitter, SseFramer, SseMeter};
 
 fn config() -> ProptestConfig {
     ProptestConfig {
@@ -65,6 +64,39 @@ fn chunks<'a>(data: &'a [u8], cuts: &[usize]) -> Vec<&'a [u8]> {
     at.sort_unstable();
     at.dedup();
     at.windows(2).map(|w| &data[w[0]..w[1]]).collect()
+}
+
+/// SSE read line by line, as the spec describes it (and as the providers' splitter did before
+/// it shared the meter's framer): `data:` lines joined with `\n`, an event dispatched at a blank
+/// line (or at the end of the stream), every other line ignored.
+fn events_by_lines(data: &[u8]) -> Vec<Vec<u8>> {
+    let mut out = Vec::new();
+    let mut cur: Vec<u8> = Vec::new();
+    let mut has = false;
+    let pieces: Vec<&[u8]> = data.split(|&b| b == b'\n').collect();
+    let n = pieces.len();
+    for (i, piece) in pieces.into_iter().enumerate() {
+        if i + 1 == n && piece.is_empty() {
+            break; // the input ended with its newline: no last line
+        }
+        let line = piece.strip_suffix(b"\r").unwrap_or(piece);
+        if line.is_empty() {
+            if has {
+                out.push(std::mem::take(&mut cur));
+                has = false;
+            }
+        } else if let Some(rest) = line.strip_prefix(b"data:") {
+            if has {
+                cur.push(b'\n');
+            }
+            cur.extend_from_slice(rest.strip_prefix(b" ").unwrap_or(rest));
+            has = true;
+        }
+    }
+    if has {
+        out.push(cur);
+    }
+    out
 }
 
 fn split_all<S: Splitter>(parts: &[&[u8]]) -> Vec<Vec<u8>> {
@@ -186,6 +218,43 @@ proptest! {
         prop_assert_eq!(&whole, &chunked);
         let total: usize = whole.iter().map(Vec::len).sum();
         prop_assert!(total <= data.len());
+    }
+
+    #[test]
+    fn event_splitter_reads_events_as_the_sse_line_rules_do(data in stream_bytes(), cuts in cuts()) {
+        let chunked = split_all::<EventSplitter>(&chunks(&data, &cuts));
+        prop_assert_eq!(chunked, events_by_lines(&data));
+    }
+
+    #[test]
+    fn sse_framer_cuts_every_byte_into_the_same_events_however_chunked(
+        data in stream_bytes(),
+        cuts in cuts(),
+    ) {
+        let run = |parts: &[&[u8]]| {
+            let mut f = SseFramer::default();
+            let mut events: Vec<Vec<u8>> = Vec::new();
+            for p in parts {
+                f.feed(p, |ev| events.push(ev.to_vec()));
+            }
+            (events, f.take_rest())
+        };
+        let whole = run(&[&data]);
+        let chunked = run(&chunks(&data, &cuts));
+        prop_assert_eq!(&whole, &chunked);
+        // Every event ends at its first blank line, and together with the rest they are the input.
+        for ev in &whole.0 {
+            let first = (0..ev.len()).find(|&i| {
+                ev[i] == b'\n'
+                    && (ev.get(i + 1) == Some(&b'\n')
+                        || (ev.get(i + 1) == Some(&b'\r') && ev.get(i + 2) == Some(&b'\n')))
+            });
+            let end = first.map(|i| if ev[i + 1] == b'\n' { i + 2 } else { i + 3 });
+            prop_assert_eq!(end, Some(ev.len()));
+        }
+        let mut joined = whole.0.concat();
+        joined.extend_from_slice(&whole.1);
+        prop_assert_eq!(joined, data);
     }
 
     #[test]

@@ -4,7 +4,8 @@
 
 use super::{anthropic, gemini, ollama, responses, Answer, Dialect, EventParser, Inbound, Op};
 use crate::body::{full, Body, BoxError};
-use crate::providers::{EventSplitter, Splitter, Wire};
+use crate::providers::Wire;
+use crate::stream::{EventSplitter, Splitter};
 use bytes::Bytes;
 use http::{HeaderValue, Response};
 use http_body::{Body as HttpBody, Frame, SizeHint};

@@ -38,7 +38,7 @@ fn openai_stream() -> Vec<u8> {
 
 /// Feeds the stream split at every byte (frames split anywhere) through a renderer.
 fn render_split(inb: &Inbound) -> String {
-    use crate::providers::{EventSplitter, Splitter};
+    use crate::stream::{EventSplitter, Splitter};
     let mut r = StreamRender::new(inb, meta()).unwrap();
     let mut split = EventSplitter::default();
     let mut out = Vec::new();

@@ -13,8 +13,8 @@ use super::splice::Edit;
 use super::{
     choice, completion_body, content_parts, content_text, join, key_header, openai_error,
     parse_arguments, push_turn, stop_sequences, tool_call, BuildCtx, ChunkWriter, Envelope,
-    EventSplitter, NativeEvents, NativeFormat, NativeRequest, NativeUsage, Part, PassCtx, Provider,
-    Split, StreamTranslator, Untranslatable,
+    NativeEvents, NativeFormat, NativeRequest, NativeUsage, Part, PassCtx, Provider, Split,
+    Translator, Untranslatable,
 };
 use crate::estimate::Endpoint;
 use crate::policy::Backend;
@@ -279,8 +279,8 @@ impl Provider for Anthropic {
         translate_response(body, env).map(Some)
     }
 
-    fn stream(&self, env: Envelope) -> Option<Box<dyn StreamTranslator>> {
-        Some(Split::<EventSplitter, _>::boxed(MessagesStream::new(env)))
+    fn stream(&self, env: Envelope) -> Option<Translator> {
+        Some(Translator::Anthropic(Split::new(MessagesStream::new(env))))
     }
 
     fn error_body(&self, _status: u16, body: &[u8]) -> Option<Bytes> {
@@ -294,6 +294,7 @@ impl Provider for Anthropic {
 }
 
 /// Anthropic's SSE events → OpenAI chunks.
+#[derive(Debug)]
 pub struct MessagesStream {
     w: ChunkWriter,
     /// Usage from `message_start`, updated by each `message_delta` (cumulative).

@@ -14,8 +14,7 @@ use super::splice::Edit;
 use super::{
     choice, completion_body, content_parts, content_text, join, key_header, openai_error,
     parse_arguments, push_turn, stop_sequences, tool_call, BuildCtx, ChunkWriter, Envelope,
-    ErrorHint, EventSplitter, NativeRequest, NativeUsage, Part, Provider, StreamTranslator,
-    Untranslatable,
+    ErrorHint, NativeRequest, NativeUsage, Part, Provider, Translator, Untranslatable,
 };
 use super::{NativeEvents, NativeFormat, PassCtx, Split};
 use crate::estimate::Endpoint;
@@ -420,8 +419,8 @@ impl Provider for Gemini {
         translate_response(body, env).map(Some)
     }
 
-    fn stream(&self, env: Envelope) -> Option<Box<dyn StreamTranslator>> {
-        Some(Split::<EventSplitter, _>::boxed(GenerateStream::new(env)))
+    fn stream(&self, env: Envelope) -> Option<Translator> {
+        Some(Translator::Gemini(Split::new(GenerateStream::new(env))))
     }
 
     fn error_body(&self, status: u16, body: &[u8]) -> Option<Bytes> {
@@ -435,6 +434,7 @@ impl Provider for Gemini {
 }
 
 /// Gemini's SSE responses → OpenAI chunks.
+#[derive(Debug)]
 pub struct GenerateStream {
     w: ChunkWriter,
     usage: Option<NativeUsage>,

@@ -3,8 +3,10 @@
 //! body) and the native answer — buffered, streamed, or an error — back into the OpenAI shape
 //! the client asked for, with the provider's usage carried across faithfully.
 //!
-//! Adding a provider means adding one module that implements [`Provider`] and one arm in
-//! [`for_kind`]. Everything here is pure: bytes and JSON in, bytes and JSON out.
+//! Adding a provider means adding one module that implements [`Provider`], one arm in
+//! [`Adapter`] (the closed set of providers, dispatched statically by exhaustive matches) and,
+//! when it streams in a format of its own, one arm in [`Translator`]. Everything here is
+//! pure: bytes and JSON in, bytes and JSON out.
 
 pub mod anthropic;
 pub mod gemini;
@@ -13,7 +15,7 @@ pub mod openai;
 pub mod responses;
 pub mod retry_after;
 pub mod splice;
-pub mod sse;
+pub mod translate;
 pub mod validate;
 
 #[cfg(test)]
@@ -25,7 +27,7 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use serde_json::{json, Map, Value};
 
-pub use sse::{EventSplitter, LineSplitter, NativeEvents, Split, Splitter};
+pub use translate::{NativeEvents, Split, Translator};
 
 /// What an adapter needs to build one attempt's upstream request.
 #[derive(Debug, Clone, Copy)]
@@ -142,20 +144,6 @@ pub struct Envelope {
     pub usage_nulls: bool,
 }
 
-/// Turns a native stream into OpenAI `chat.completion.chunk` SSE events, frame by frame.
-/// The translation always ends with the usage chunk (`choices: []`) and `data: [DONE]` when
-/// the native stream completed; the SSE meter downstream hides the usage chunk from a client
-/// that did not ask for it, exactly as for an OpenAI upstream.
-pub trait StreamTranslator: Send + Sync {
-    /// Native bytes in (split anywhere); OpenAI SSE bytes appended to `out`.
-    fn feed(&mut self, data: &[u8], out: &mut Vec<u8>);
-    /// The native body ended without a transport error: emit what completes the stream.
-    fn finish(&mut self, out: &mut Vec<u8>);
-    /// The provider reported an error inside the stream (after its 200); an OpenAI error
-    /// event has already been written.
-    fn failed(&self) -> bool;
-}
-
 /// What an upstream error body tells beyond its status and headers.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ErrorHint {
@@ -164,8 +152,9 @@ pub struct ErrorHint {
     pub long_outage: bool,
 }
 
-/// One provider's wire format.
-pub trait Provider: Sync {
+/// One provider's wire format: the shape each provider module implements. Callers go
+/// through [`Adapter`], which dispatches to the module statically.
+pub trait Provider {
     /// Whether answers come back in another shape (`response` and `stream` translate).
     /// The OpenAI adapter says no, so the transport skips building an envelope.
     fn translates_answers(&self) -> bool {
@@ -190,7 +179,7 @@ pub trait Provider: Sync {
     fn response(&self, body: &[u8], env: &Envelope) -> Result<Option<Bytes>, String>;
 
     /// A translator for a successful stream; `None` when the stream is already OpenAI SSE.
-    fn stream(&self, env: Envelope) -> Option<Box<dyn StreamTranslator>>;
+    fn stream(&self, env: Envelope) -> Option<Translator>;
 
     /// Whether `backend` speaks `format` natively: a request in that format passes through
     /// (see [`Wire`]). No format by default.
@@ -222,11 +211,7 @@ pub trait Provider: Sync {
 
     /// The reader of a passed-through stream: its internal form is metered, never sent. By
     /// default the provider's own stream translator.
-    fn pass_stream(
-        &self,
-        _format: NativeFormat,
-        env: Envelope,
-    ) -> Option<Box<dyn StreamTranslator>> {
+    fn pass_stream(&self, _format: NativeFormat, env: Envelope) -> Option<Translator> {
         self.stream(env)
     }
 
@@ -250,13 +235,113 @@ pub trait Provider: Sync {
     }
 }
 
+/// The provider of each backend kind: a closed set, one arm per module, dispatched by
+/// exhaustive matches (no trait objects).
+#[derive(Debug, Clone, Copy)]
+pub enum Adapter {
+    OpenAi(openai::OpenAi),
+    Anthropic(anthropic::Anthropic),
+    Gemini(gemini::Gemini),
+    Ollama(ollama::Ollama),
+}
+
 /// The adapter of a backend kind.
-pub fn for_kind(kind: BackendKind) -> &'static dyn Provider {
+pub fn for_kind(kind: BackendKind) -> Adapter {
     match kind {
-        BackendKind::Openai => &openai::OpenAi,
-        BackendKind::Anthropic => &anthropic::Anthropic,
-        BackendKind::Gemini => &gemini::Gemini,
-        BackendKind::Ollama => &ollama::Ollama,
+        BackendKind::Openai => Adapter::OpenAi(openai::OpenAi),
+        BackendKind::Anthropic => Adapter::Anthropic(anthropic::Anthropic),
+        BackendKind::Gemini => Adapter::Gemini(gemini::Gemini),
+        BackendKind::Ollama => Adapter::Ollama(ollama::Ollama),
+    }
+}
+
+/// `$p.$call` on the provider of every arm.
+macro_rules! each {
+    ($self:expr, $p:ident => $call:expr) => {
+        match $self {
+            Adapter::OpenAi($p) => $call,
+            Adapter::Anthropic($p) => $call,
+            Adapter::Gemini($p) => $call,
+            Adapter::Ollama($p) => $call,
+        }
+    };
+}
+
+/// The [`Provider`] methods, dispatched to the kind's module.
+impl Adapter {
+    /// See [`Provider::translates_answers`].
+    pub fn translates_answers(&self) -> bool {
+        each!(self, p => p.translates_answers())
+    }
+
+    /// See [`Provider::supports`].
+    pub fn supports(&self, endpoint: Endpoint) -> bool {
+        each!(self, p => p.supports(endpoint))
+    }
+
+    /// See [`Provider::auth_headers`].
+    pub fn auth_headers(&self, key: &str) -> Result<Vec<(HeaderName, HeaderValue)>, String> {
+        each!(self, p => p.auth_headers(key))
+    }
+
+    /// See [`Provider::fixed_headers`].
+    pub fn fixed_headers(&self) -> &'static [(&'static str, &'static str)] {
+        each!(self, p => p.fixed_headers())
+    }
+
+    /// See [`Provider::request`].
+    pub fn request(&self, c: &BuildCtx<'_>) -> Result<NativeRequest, Untranslatable> {
+        each!(self, p => p.request(c))
+    }
+
+    /// See [`Provider::response`].
+    pub fn response(&self, body: &[u8], env: &Envelope) -> Result<Option<Bytes>, String> {
+        each!(self, p => p.response(body, env))
+    }
+
+    /// See [`Provider::stream`].
+    pub fn stream(&self, env: Envelope) -> Option<Translator> {
+        each!(self, p => p.stream(env))
+    }
+
+    /// See [`Provider::speaks`].
+    pub fn speaks(&self, format: NativeFormat, backend: &Backend) -> bool {
+        each!(self, p => p.speaks(format, backend))
+    }
+
+    /// See [`Provider::pass_through`].
+    pub fn pass_through(&self, c: &PassCtx<'_>) -> Result<NativeRequest, Untranslatable> {
+        each!(self, p => p.pass_through(c))
+    }
+
+    /// See [`Provider::pass_answer`].
+    pub fn pass_answer(
+        &self,
+        format: NativeFormat,
+        body: &[u8],
+        env: &Envelope,
+    ) -> Result<Bytes, String> {
+        each!(self, p => p.pass_answer(format, body, env))
+    }
+
+    /// See [`Provider::pass_stream`].
+    pub fn pass_stream(&self, format: NativeFormat, env: Envelope) -> Option<Translator> {
+        each!(self, p => p.pass_stream(format, env))
+    }
+
+    /// See [`Provider::header_delay`].
+    pub fn header_delay(&self, headers: &http::HeaderMap, now_ms: i64) -> Option<i64> {
+        each!(self, p => p.header_delay(headers, now_ms))
+    }
+
+    /// See [`Provider::error_hint`].
+    pub fn error_hint(&self, status: u16, body: &[u8], now_ms: i64) -> ErrorHint {
+        each!(self, p => p.error_hint(status, body, now_ms))
+    }
+
+    /// See [`Provider::error_body`].
+    pub fn error_body(&self, status: u16, body: &[u8]) -> Option<Bytes> {
+        each!(self, p => p.error_body(status, body))
     }
 }
 

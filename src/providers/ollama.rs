@@ -9,8 +9,8 @@
 use super::splice::Edit;
 use super::{
     choice, completion_body, content_parts, join, openai_error, parse_arguments, stop_sequences,
-    tool_call, BuildCtx, ChunkWriter, Envelope, LineSplitter, NativeEvents, NativeRequest,
-    NativeUsage, Part, Provider, Split, StreamTranslator, Untranslatable,
+    tool_call, BuildCtx, ChunkWriter, Envelope, NativeEvents, NativeRequest, NativeUsage, Part,
+    Provider, Split, Translator, Untranslatable,
 };
 use super::{NativeFormat, PassCtx};
 use crate::estimate::Endpoint;
@@ -299,8 +299,8 @@ impl Provider for Ollama {
         }
     }
 
-    fn stream(&self, env: Envelope) -> Option<Box<dyn StreamTranslator>> {
-        Some(Split::<LineSplitter, _>::boxed(ChatStream::new(env)))
+    fn stream(&self, env: Envelope) -> Option<Translator> {
+        Some(Translator::Ollama(Split::new(ChatStream::new(env))))
     }
 
     fn error_body(&self, status: u16, body: &[u8]) -> Option<Bytes> {
@@ -313,6 +313,7 @@ impl Provider for Ollama {
 }
 
 /// Ollama's NDJSON lines → OpenAI chunks.
+#[derive(Debug)]
 pub struct ChatStream {
     w: ChunkWriter,
     tool_calls: usize,

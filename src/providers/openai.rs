@@ -5,7 +5,7 @@
 use super::splice::Edit;
 use super::{
     join, key_header, BuildCtx, Envelope, NativeFormat, NativeRequest, PassCtx, Provider,
-    StreamTranslator, Untranslatable,
+    Translator, Untranslatable,
 };
 use crate::estimate::Endpoint;
 use crate::policy::Backend;
@@ -150,11 +150,7 @@ impl Provider for OpenAi {
         super::responses::internal_answer(body, env)
     }
 
-    fn pass_stream(
-        &self,
-        _format: NativeFormat,
-        env: Envelope,
-    ) -> Option<Box<dyn StreamTranslator>> {
+    fn pass_stream(&self, _format: NativeFormat, env: Envelope) -> Option<Translator> {
         Some(super::responses::stream(env))
     }
 
@@ -168,7 +164,7 @@ impl Provider for OpenAi {
         Ok(None)
     }
 
-    fn stream(&self, _env: Envelope) -> Option<Box<dyn StreamTranslator>> {
+    fn stream(&self, _env: Envelope) -> Option<Translator> {
         None
     }
 }

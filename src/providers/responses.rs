@@ -4,8 +4,7 @@
 //! response object, carried by `response.completed` (or `response.incomplete`) when streamed.
 
 use super::{
-    choice, completion_body, ChunkWriter, Envelope, EventSplitter, NativeEvents, NativeUsage,
-    Split, StreamTranslator,
+    choice, completion_body, ChunkWriter, Envelope, NativeEvents, NativeUsage, Split, Translator,
 };
 use bytes::Bytes;
 use serde_json::Value;
@@ -55,15 +54,17 @@ pub(crate) fn internal_answer(body: &[u8], env: &Envelope) -> Result<Bytes, Stri
 
 /// A reader of a Responses event stream for the meter: output text deltas and the usage of
 /// the terminal event, as internal chunks.
-pub(crate) fn stream(env: Envelope) -> Box<dyn StreamTranslator> {
-    Split::<EventSplitter, _>::boxed(EventsStream {
+pub(crate) fn stream(env: Envelope) -> Translator {
+    Translator::Responses(Split::new(EventsStream {
         w: ChunkWriter::new(env),
         completed: false,
         failed: false,
-    })
+    }))
 }
 
-struct EventsStream {
+/// The per-event reader of a Responses stream.
+#[derive(Debug)]
+pub struct EventsStream {
     w: ChunkWriter,
     completed: bool,
     failed: bool,

@@ -61,10 +61,7 @@ fn conversation() -> Map<String, Value> {
 }
 
 /// Feeds a native stream one byte at a time and whole; both must give the same OpenAI events.
-fn run_stream(
-    mk: impl Fn() -> Box<dyn StreamTranslator>,
-    native: &str,
-) -> (Vec<Value>, bool, bool) {
+fn run_stream(mk: impl Fn() -> Translator, native: &str) -> (Vec<Value>, bool, bool) {
     let mut whole = Vec::new();
     let mut t = mk();
     t.feed(native.as_bytes(), &mut whole);

@@ -9,7 +9,7 @@ use super::transport::InFlight;
 use crate::audit::Audit;
 use crate::dialect::Dialect;
 use crate::governor::{BudgetState, Governor, Pending, ReasonClass, Record, UsageEvidence};
-use crate::providers::StreamTranslator;
+use crate::providers::Translator;
 use crate::stream::SseMeter;
 use bytes::Bytes;
 use http_body::{Body as HttpBody, Frame, SizeHint};
@@ -58,14 +58,14 @@ pub enum StreamWire {
     /// OpenAI SSE: metered and forwarded (then rendered in the client's dialect).
     Internal,
     /// A native stream reshaped into OpenAI chunks: the chunks are metered and forwarded.
-    Translated(Box<dyn StreamTranslator>),
+    Translated(Translator),
     /// A native stream in the client's own format: forwarded unchanged, while its translation
     /// is metered and dropped. The sidecar's own error events are written in `Dialect`.
-    PassThrough(Box<dyn StreamTranslator>, Dialect),
+    PassThrough(Translator, Dialect),
 }
 
 impl StreamWire {
-    fn translator(&mut self) -> Option<&mut Box<dyn StreamTranslator>> {
+    fn translator(&mut self) -> Option<&mut Translator> {
         match self {
             StreamWire::Internal => None,
             StreamWire::Translated(t) | StreamWire::PassThrough(t, _) => Some(t),

@@ -8,7 +8,7 @@ use crate::estimate::Endpoint;
 use crate::governor::{CallResult, CallSpec, Failure, FailureClass, Skip, Upstream};
 use crate::policy::Backend;
 use crate::providers::{
-    self, BuildCtx, Envelope, ErrorHint, NativeFormat, PassCtx, Provider, StreamTranslator,
+    self, Adapter, BuildCtx, Envelope, ErrorHint, NativeFormat, PassCtx, Translator,
     Untranslatable, Wire,
 };
 use bytes::Bytes;
@@ -96,7 +96,7 @@ pub struct UpstreamResponse {
     /// A passed-through buffered answer in the internal form, read for its usage only.
     pub internal: Option<Bytes>,
     /// Turns a native stream into OpenAI chunks (`None`: already OpenAI SSE).
-    pub translate: Option<Box<dyn StreamTranslator>>,
+    pub translate: Option<Translator>,
     /// The backend's in-flight slot, held until the answer is fully read.
     pub permit: Option<InFlight>,
 }
@@ -242,7 +242,7 @@ impl Call<'_> {
 
     /// The per-attempt choice: the client's own body to a backend that speaks its format,
     /// else the internal form, translated.
-    fn wire(&self, backend: &Backend, provider: &dyn Provider) -> Wire {
+    fn wire(&self, backend: &Backend, provider: Adapter) -> Wire {
         match self.native {
             Some(n) if provider.speaks(n.format, backend) => Wire::PassThrough,
             _ => Wire::Translated,
@@ -257,7 +257,7 @@ impl Call<'_> {
     fn build(
         &self,
         spec: &CallSpec<'_>,
-        provider: &dyn Provider,
+        provider: Adapter,
         wire: Wire,
     ) -> Result<Request<Full<Bytes>>, Untranslatable> {
         let backend = spec.backend;

@@ -1,5 +1,6 @@
 //! The OpenAI SSE meter.
 
+use super::frame::{event_data, SseFramer};
 use crate::estimate::{count_output_text, Tokenizer};
 use crate::units::Usage;
 use bytes::{Bytes, BytesMut};
@@ -91,15 +92,14 @@ struct FnDelta {
 
 /// Taps an SSE stream. In pass-through mode every input frame is forwarded as is; in hiding
 /// mode only complete events are forwarded (an event split across frames waits for its end)
-/// so that the usage-only chunk the client did not ask for can be dropped.
+/// so that the usage-only chunk the client did not ask for can be dropped. Events are cut by
+/// the stream framer ([`SseFramer`]).
 #[derive(Debug)]
 pub struct SseMeter {
     tok: Tokenizer,
     hide_usage: bool,
-    /// Bytes of an event not yet complete.
-    partial: BytesMut,
-    /// How much of `partial` was already scanned for an event end.
-    scanned: usize,
+    /// Cuts the events; holds the bytes of one not yet complete.
+    frames: SseFramer,
     /// An event passed [`MAX_EVENT_BYTES`]: the stream must end (as an upstream failure).
     pub oversized: bool,
     /// The last usage seen.
@@ -118,30 +118,12 @@ pub struct SseMeter {
 /// Past it the stream ends as an upstream failure instead of growing a buffer without bound.
 pub const MAX_EVENT_BYTES: usize = 4 * 1024 * 1024;
 
-fn find_event_end(b: &[u8]) -> Option<usize> {
-    // An event ends at a blank line: "\n\n", "\r\n\r\n" (or the mixed "\n\r\n").
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\n' {
-            if b.get(i + 1) == Some(&b'\n') {
-                return Some(i + 2);
-            }
-            if b.get(i + 1) == Some(&b'\r') && b.get(i + 2) == Some(&b'\n') {
-                return Some(i + 3);
-            }
-        }
-        i += 1;
-    }
-    None
-}
-
 impl SseMeter {
     pub fn new(tok: Tokenizer, hide_usage: bool) -> Self {
         SseMeter {
             tok,
             hide_usage,
-            partial: BytesMut::new(),
-            scanned: 0,
+            frames: SseFramer::default(),
             oversized: false,
             usage: None,
             counted_output: 0,
@@ -158,64 +140,44 @@ impl SseMeter {
         if self.oversized {
             return Bytes::new();
         }
-        let zero_copy = self.partial.is_empty();
-        self.partial.extend_from_slice(frame);
+        let zero_copy = self.frames.is_empty();
         let mut out = BytesMut::new();
         let mut all_kept_unchanged = true;
-        while let Some(ev) = self.next_event() {
-            match self.inspect(&ev) {
-                Keep::Unchanged => {
-                    if self.hide_usage {
-                        out.extend_from_slice(&ev);
-                    }
+        let hide = self.hide_usage;
+        let mut frames = std::mem::take(&mut self.frames);
+        frames.feed(frame, |ev| match self.inspect(ev) {
+            Keep::Unchanged => {
+                if hide {
+                    out.extend_from_slice(ev);
                 }
-                Keep::Rewritten(b) => {
-                    all_kept_unchanged = false;
-                    out.extend_from_slice(&b);
-                }
-                Keep::Drop => all_kept_unchanged = false,
             }
-        }
-        if self.partial.len() > MAX_EVENT_BYTES {
+            Keep::Rewritten(b) => {
+                all_kept_unchanged = false;
+                out.extend_from_slice(&b);
+            }
+            Keep::Drop => all_kept_unchanged = false,
+        });
+        self.frames = frames;
+        if self.frames.overflowed() {
             // An event that never ends: stop here rather than hold it without bound.
             self.oversized = true;
-            self.partial = BytesMut::new();
-            self.scanned = 0;
             return Bytes::new();
         }
         // Pass-through mode forwards every frame as it is; hiding mode complete events only.
-        if !self.hide_usage || (zero_copy && all_kept_unchanged && self.partial.is_empty()) {
+        if !hide || (zero_copy && all_kept_unchanged && self.frames.is_empty()) {
             return frame.clone();
         }
         out.freeze()
     }
 
-    /// Cuts the next complete event off `partial`. The scan resumes where the previous one
-    /// stopped (less the two bytes a terminator may straddle), so an event arriving in many
-    /// frames is scanned once, not once per frame.
-    fn next_event(&mut self) -> Option<Bytes> {
-        let from = self.scanned.saturating_sub(2);
-        match find_event_end(&self.partial[from..]) {
-            Some(end) => {
-                self.scanned = 0;
-                Some(self.partial.split_to(from + end).freeze())
-            }
-            None => {
-                self.scanned = self.partial.len();
-                None
-            }
-        }
-    }
-
     /// Whatever is left when the upstream ends (an event without its blank line).
     pub fn flush(&mut self) -> Bytes {
-        self.scanned = 0;
-        let rest = self.partial.split().freeze();
+        let rest = self.frames.take_rest();
         if !rest.is_empty() {
             self.inspect(&rest);
         }
         if self.hide_usage {
-            rest
+            Bytes::from(rest)
         } else {
             Bytes::new()
         }
@@ -230,16 +192,12 @@ impl SseMeter {
     }
 
     fn inspect(&mut self, ev: &[u8]) -> Keep {
-        let mut data: Vec<u8> = Vec::new();
-        for line in ev.split(|&b| b == b'\n') {
-            let line = line.strip_suffix(b"\r").unwrap_or(line);
-            if let Some(rest) = line.strip_prefix(b"data:") {
-                if !data.is_empty() {
-                    data.push(b'\n');
-                }
-                data.extend_from_slice(rest.strip_prefix(b" ").unwrap_or(rest));
-            }
-        }
+        let mut buf = Vec::new();
+        // The meter has always read data with its leading empty `data:` lines dropped.
+        let data = event_data(ev, &mut buf).map_or(&[][..], |d| {
+            let lead = d.iter().take_while(|&&b| b == b'\n').count();
+            &d[lead..]
+        });
         if data.is_empty() {
             return Keep::Unchanged;
         }
@@ -248,7 +206,7 @@ impl SseMeter {
             self.done = true;
             return Keep::Unchanged;
         }
-        let Ok(chunk) = serde_json::from_slice::<Chunk>(&data) else {
+        let Ok(chunk) = serde_json::from_slice::<Chunk>(data) else {
             return Keep::Unchanged;
         };
         if chunk.error.is_some() {

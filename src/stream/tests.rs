@@ -105,3 +105,44 @@ fn crlf_events_and_error_payloads() {
     assert_eq!(m.events, 2);
     assert!(m.upstream_error);
 }
+
+#[test]
+fn event_data_reads_data_lines_only() {
+    let mut buf = Vec::new();
+    assert_eq!(
+        event_data(b"event: x\r\ndata: a\r\n: c\r\ndata:b\r\n\r\n", &mut buf),
+        Some(&b"a\nb"[..])
+    );
+    let mut buf = Vec::new();
+    assert_eq!(event_data(b"data: one\n\n", &mut buf), Some(&b"one"[..]));
+    assert!(buf.is_empty(), "one data line is read in place");
+    assert_eq!(event_data(b"id: 1\nevent: ping\n\n", &mut buf), None);
+    assert_eq!(event_data(b"data:\n\n", &mut buf), Some(&b""[..]));
+}
+
+/// A whole event larger than the cap, in one frame: the meter (which caps only what it must
+/// hold) forwards it, while the providers' splitter (which caps an event's data) stops.
+#[test]
+fn a_whole_event_past_the_cap_stops_the_splitter_not_the_meter() {
+    let big = format!("data: {}\n\n", "x".repeat(MAX_EVENT_BYTES + 1));
+    let mut m = SseMeter::new(Tokenizer::Chars, false);
+    let frame = Bytes::from(big.clone());
+    assert_eq!(m.feed(&frame), frame);
+    assert!(!m.oversized);
+    let mut s = EventSplitter::default();
+    let mut n = 0;
+    s.feed(big.as_bytes(), |_| n += 1);
+    assert_eq!(n, 0);
+    assert!(s.overflowed());
+    // Held across frames, the same event stops both.
+    let (head, tail) = big.split_at(big.len() - 2);
+    let mut m = SseMeter::new(Tokenizer::Chars, false);
+    assert!(m.feed(&Bytes::copy_from_slice(head.as_bytes())).is_empty());
+    assert!(m.oversized);
+    assert!(m.feed(&Bytes::copy_from_slice(tail.as_bytes())).is_empty());
+    let mut s = EventSplitter::default();
+    s.feed(head.as_bytes(), |_| n += 1);
+    s.feed(tail.as_bytes(), |_| n += 1);
+    assert_eq!(n, 0);
+    assert!(s.overflowed());
+}
