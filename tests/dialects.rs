@@ -169,19 +169,12 @@ async fn anthropic_client_falls_back_to_gemini() {
     ])
     .await;
     // The Anthropic backend fails over at once (no same-backend retry), to Gemini.
-    let yaml = format!(
-        r#"version: dialect-fallback
-backends:
-  - {{id: claude, kind: anthropic, base_url: "{}", api_key_env: {ANTHROPIC_KEY}}}
-  - {{id: gem, kind: gemini, base_url: "{}", api_key_env: {GEMINI_KEY}}}
-routes:
-  - {{model: chat, chain: [{{backend: claude, model: claude-x}}, {{backend: gem, model: gemini-x}}]}}
-retry:
-  same_backend_retries: 0
-  backoff: {{initial: 1ms, max: 2ms}}
-"#,
-        root(&claude),
-        root(&gemini)
+    let yaml = claude_then_gemini(
+        "dialect-fallback",
+        &claude,
+        &gemini,
+        ANTHROPIC_KEY,
+        GEMINI_KEY,
     );
     let sc = Sidecar::start(&yaml).await;
     let url = format!("{}/v1/messages", root_url(&sc));

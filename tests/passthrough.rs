@@ -348,20 +348,7 @@ async fn the_choice_is_per_attempt_a_cross_kind_fallback_translates() {
     keys();
     let claude = MockUpstream::start(vec![anthropic_overloaded()]).await;
     let gemini = MockUpstream::start(vec![gemini_response("From Gemini.", 12, 4, 0)]).await;
-    let yaml = format!(
-        r#"version: pass-fallback
-backends:
-  - {{id: claude, kind: anthropic, base_url: "{}", api_key_env: {ANTHROPIC_KEY}}}
-  - {{id: gem, kind: gemini, base_url: "{}", api_key_env: {GEMINI_KEY}}}
-routes:
-  - {{model: chat, chain: [{{backend: claude, model: claude-x}}, {{backend: gem, model: gemini-x}}]}}
-retry:
-  same_backend_retries: 0
-  backoff: {{initial: 1ms, max: 2ms}}
-"#,
-        root(&claude),
-        root(&gemini)
-    );
+    let yaml = claude_then_gemini("pass-fallback", &claude, &gemini, ANTHROPIC_KEY, GEMINI_KEY);
     let sc = Sidecar::start(&yaml).await;
     let url = format!("{}/v1/messages", root_url(&sc));
     let (st, h, b) = post_json(&url, &messages_body(false), &[]).await;

@@ -531,11 +531,7 @@ impl NativeEvents for GenerateStream {
             self.w.end(out, self.usage);
         } else {
             self.failed = true;
-            self.w.error(
-                out,
-                "the upstream stream ended without its final event",
-                "upstream_incomplete",
-            );
+            self.w.cut_short(out);
         }
     }
 

@@ -606,6 +606,16 @@ impl ChunkWriter {
         let _ = serde_json::to_writer(&mut *out, &v);
         out.extend_from_slice(b"\n\n");
     }
+
+    /// The error event of a native stream that ended before its final event (cut short: an
+    /// upstream failure).
+    pub fn cut_short(&mut self, out: &mut Vec<u8>) {
+        self.error(
+            out,
+            "the upstream stream ended without its final event",
+            "upstream_incomplete",
+        );
+    }
 }
 
 /// An OpenAI error body.

@@ -379,11 +379,7 @@ impl NativeEvents for ChatStream {
     fn on_end(&mut self, out: &mut Vec<u8>) {
         if !self.done && !self.failed {
             self.failed = true;
-            self.w.error(
-                out,
-                "the upstream stream ended without its final event",
-                "upstream_incomplete",
-            );
+            self.w.cut_short(out);
         }
     }
 

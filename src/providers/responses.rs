@@ -106,11 +106,7 @@ impl NativeEvents for EventsStream {
     fn on_end(&mut self, out: &mut Vec<u8>) {
         if !self.completed && !self.failed {
             self.failed = true;
-            self.w.error(
-                out,
-                "the upstream stream ended without its final event",
-                "upstream_incomplete",
-            );
+            self.w.cut_short(out);
         }
     }
 

@@ -12,6 +12,32 @@ pub fn root(up: &MockUpstream) -> String {
     format!("http://{}", up.addr())
 }
 
+/// A policy whose route `chat` goes to an Anthropic backend (`claude`, model `claude-x`) and
+/// fails over at once (no same-backend retry) to a Gemini one (`gem`, model `gemini-x`); the
+/// keys are read from the variables named.
+pub fn claude_then_gemini(
+    version: &str,
+    claude: &MockUpstream,
+    gemini: &MockUpstream,
+    anthropic_key_env: &str,
+    gemini_key_env: &str,
+) -> String {
+    format!(
+        r#"version: {version}
+backends:
+  - {{id: claude, kind: anthropic, base_url: "{}", api_key_env: {anthropic_key_env}}}
+  - {{id: gem, kind: gemini, base_url: "{}", api_key_env: {gemini_key_env}}}
+routes:
+  - {{model: chat, chain: [{{backend: claude, model: claude-x}}, {{backend: gem, model: gemini-x}}]}}
+retry:
+  same_backend_retries: 0
+  backoff: {{initial: 1ms, max: 2ms}}
+"#,
+        root(claude),
+        root(gemini)
+    )
+}
+
 /// `http://127.0.0.1:PORT` with nothing listening there (a backend that is down).
 pub fn closed_port() -> String {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
