@@ -25,7 +25,7 @@ const OLGA: &str = "tg-test-key-olga-33c2";
 struct Teams {
     running: Running,
     base: String,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 impl Teams {
@@ -78,11 +78,7 @@ impl Teams {
         .await
         .expect("start sidecar");
         let base = format!("http://{}", running.addr);
-        Teams {
-            running,
-            base,
-            _dir: dir,
-        }
+        Teams { running, base, dir }
     }
 
     fn chat_url(&self) -> String {
@@ -210,7 +206,7 @@ async fn keys_decide_who_pays_and_keyless_requests_are_refused() {
 
     // The audit record names the team the key gave; key-less refusals name none.
     // (The writer flushes in the background: wait for the last served request's line.)
-    let path = t._dir.path().join("audit.jsonl");
+    let path = t.dir.path().join("audit.jsonl");
     let mut audit = String::new();
     for _ in 0..100 {
         audit = std::fs::read_to_string(&path).unwrap_or_default();

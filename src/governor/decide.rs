@@ -297,6 +297,7 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
             ctx.consumer.clone(),
             route.model.clone(),
         );
+        rec.team = ctx.team.clone();
         let start = clock.now_ms();
         let windows = gov.windows_at(&policy.windows, start);
         // Job ledgers belong to (consumer, job): another consumer naming the same job id

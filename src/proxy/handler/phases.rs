@@ -244,7 +244,6 @@ impl<'a> Ctx<'a> {
             .govern(policy, route, &ctx, &call, &SystemClock)
             .await;
         self.rec = record;
-        self.rec.team = ctx.team.clone();
         (served, est)
     }
 
