@@ -51,6 +51,9 @@ pub struct Entry {
     pub record: Record,
 }
 
+/// Waiting for room in a full audit queue (see [`Audit::queue`]).
+pub type QueueWait = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
 /// The sending side, cloned into every request.
 #[derive(Debug, Clone)]
 pub struct Audit {
@@ -116,9 +119,29 @@ impl Audit {
 
     /// Queues a record; waits while the queue is full.
     pub async fn record(&self, e: Entry) {
-        if let Some(tx) = &self.tx {
-            if tx.send(e).await.is_err() {
+        if let Some(wait) = self.queue(e) {
+            wait.await;
+        }
+    }
+
+    /// Queues a record without waiting when the queue has room (the common case: no future
+    /// holding the record lives in the request's state); when it is full, the returned
+    /// future waits for room and must be awaited — records are never dropped.
+    pub fn queue(&self, e: Entry) -> Option<QueueWait> {
+        let tx = self.tx.as_ref()?;
+        match tx.try_send(e) {
+            Ok(()) => None,
+            Err(mpsc::error::TrySendError::Full(e)) => {
+                let tx = tx.clone();
+                Some(Box::pin(async move {
+                    if tx.send(e).await.is_err() {
+                        tracing::error!("audit writer is gone; record not written");
+                    }
+                }))
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => {
                 tracing::error!("audit writer is gone; record not written");
+                None
             }
         }
     }

@@ -105,7 +105,7 @@ pub struct Outcome<T> {
 #[derive(Debug, Default)]
 pub struct Governor {
     pub ledger: Arc<Ledger>,
-    circuits: DashMap<Arc<str>, Arc<Circuit>>,
+    circuits: DashMap<Arc<str>, Arc<Circuit>, foldhash::quality::RandomState>,
     /// The current windows, recomputed only when the minute turns (or the zone changes).
     windows: ArcSwapOption<(String, WindowSet)>,
     /// Counters shared with other replicas (`state.backend: redis`); `None` = the local ledger
@@ -117,7 +117,7 @@ impl Governor {
     pub fn new(ledger: Arc<Ledger>) -> Self {
         Governor {
             ledger,
-            circuits: DashMap::new(),
+            circuits: DashMap::default(),
             windows: ArcSwapOption::empty(),
             shared: None,
         }

@@ -145,8 +145,8 @@ impl LedgerTotals {
 
 #[derive(Debug, Default)]
 pub struct Ledger {
-    counters: DashMap<CounterKey, Arc<Counter>>,
-    jobs: DashMap<Arc<str>, Arc<JobLedger>>,
+    counters: DashMap<CounterKey, Arc<Counter>, foldhash::quality::RandomState>,
+    jobs: DashMap<Arc<str>, Arc<JobLedger>, foldhash::quality::RandomState>,
     totals: Arc<LedgerTotals>,
 }
 

@@ -33,7 +33,7 @@ pub struct Policy {
     /// `telemetry`: OpenTelemetry export (read at start; the `OTEL_*` variables win).
     pub telemetry: TelemetryCfg,
     /// route alias -> index into `routes`.
-    pub route_index: HashMap<String, usize>,
+    pub route_index: HashMap<String, usize, foldhash::quality::RandomState>,
 }
 
 impl Policy {

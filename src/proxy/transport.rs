@@ -35,9 +35,9 @@ const MAX_ERROR_BODY: usize = 256 * 1024;
 /// Pooled clients, one per connect timeout (the connector carries it). Survives reloads.
 #[derive(Default)]
 pub struct Transport {
-    clients: DashMap<u64, HttpClient>,
+    clients: DashMap<u64, HttpClient, foldhash::quality::RandomState>,
     /// Calls in flight per backend id, for backends with `max_in_flight`.
-    in_flight: DashMap<Arc<str>, Arc<AtomicU32>>,
+    in_flight: DashMap<Arc<str>, Arc<AtomicU32>, foldhash::quality::RandomState>,
 }
 
 impl std::fmt::Debug for Transport {
@@ -310,11 +310,13 @@ impl Call<'_> {
     }
 
     async fn attempt(&self, spec: CallSpec<'_>) -> CallResult<UpstreamResponse> {
-        let Some(span) = crate::telemetry::otel::attempt(&spec) else {
-            return self.attempt_inner(spec, None).await;
-        };
-        let r = self.attempt_inner(spec, Some(&span)).await;
-        span.end(&r);
+        // Boxed: the span is held across the call, and every level of the request's future
+        // above would carry its bytes even with export off.
+        let span = crate::telemetry::otel::attempt(&spec).map(Box::new);
+        let r = self.attempt_inner(spec, span.as_deref()).await;
+        if let Some(span) = span {
+            span.end(&r);
+        }
         r
     }
 

@@ -139,7 +139,7 @@ impl BackendStats {
 /// Every backend seen since start, by id.
 #[derive(Debug, Default)]
 pub struct Stats {
-    map: ArcSwap<HashMap<Arc<str>, Arc<BackendStats>>>,
+    map: ArcSwap<HashMap<Arc<str>, Arc<BackendStats>, foldhash::quality::RandomState>>,
 }
 
 impl Stats {

@@ -7,7 +7,7 @@ use super::finish::{close, Origin, Sent};
 use super::respond::{self, full, Body, Refusal};
 use super::snapshot::Snapshot;
 use super::transport::Transport;
-use crate::audit::Audit;
+use crate::audit::{Audit, QueueWait};
 use crate::dialect::{self, render::Meta, Dialect, Inbound, Op, Rendered, Routed};
 use crate::estimate::Endpoint;
 use crate::governor::{Governor, ReasonClass, Record};
@@ -82,7 +82,7 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Bo
         (_, p @ super::limits_view::PATH) => {
             let rec = bare_record(&snap, p, 405);
             let resp = respond::refusal(&Refusal::MethodNotAllowed, &rec, &snap);
-            finish(&app, unknown(Dialect::OpenAi, t0), rec).await;
+            wait(finish(&app, unknown(Dialect::OpenAi, t0), rec)).await;
             return Ok(resp);
         }
         (_, p) => {
@@ -102,7 +102,7 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Bo
             };
             let rec = bare_record(&snap, p, status);
             let resp = respond::refusal_in(d, &r, &rec, &snap);
-            finish(&app, unknown(d, t0), rec).await;
+            wait(finish(&app, unknown(d, t0), rec)).await;
             return Ok(resp);
         }
     };
@@ -223,7 +223,8 @@ async fn governed(
     let mut watch = Watch(Some(gone.clone()));
     let app = app.clone();
     // The request's trace (when OTLP export is on) lives in the task that does the work.
-    let trace = crate::telemetry::otel::get().map(|o| o.start(req.headers(), endpoint));
+    // Boxed: with export off (the usual case) the task carries a pointer, not the trace.
+    let trace = crate::telemetry::otel::get().map(|o| Box::new(o.start(req.headers(), endpoint)));
     let work = CLIENT_GONE.scope(gone, async move {
         let mut meta = Meta::default();
         let fut: std::pin::Pin<Box<dyn std::future::Future<Output = Response<Body>> + Send + '_>> =
@@ -232,7 +233,7 @@ async fn governed(
             ));
         let resp = match trace {
             None => fut.await,
-            Some(t) => crate::telemetry::otel::scope(t, fut).await,
+            Some(t) => Box::pin(crate::telemetry::otel::scope(*t, fut)).await,
         };
         (resp, meta)
     });
@@ -268,7 +269,10 @@ fn unknown(api: Dialect, at: Instant) -> Origin {
 }
 
 /// Records a request answered in one piece (see [`close`]); a client gone by now is noted.
-async fn finish(app: &App, origin: Origin, mut record: Record) {
+/// Synchronous while the audit queue has room (no future holds the record); the wait it
+/// hands back when the queue is full must be awaited.
+#[must_use = "a full audit queue's wait must be awaited"]
+fn finish(app: &App, origin: Origin, mut record: Record) -> Option<QueueWait> {
     if client_gone() {
         record.client_disconnected = true;
     }
@@ -279,5 +283,12 @@ async fn finish(app: &App, origin: Origin, mut record: Record) {
         record,
         Sent::Whole,
     );
-    app.audit.record(entry).await;
+    app.audit.queue(entry)
+}
+
+/// Awaits a full audit queue's wait, if there is one.
+async fn wait(w: Option<QueueWait>) {
+    if let Some(w) = w {
+        w.await;
+    }
 }

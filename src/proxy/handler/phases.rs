@@ -12,6 +12,7 @@ use super::super::snapshot::Snapshot;
 use super::super::stream::{self, StreamWire};
 use super::super::transport::{Call, NativeBody, UpBody, UpstreamResponse};
 use super::{body, endpoint_name, finish, local_json, usage, App, Origin};
+use crate::audit::QueueWait;
 use crate::dialect::{self, render::Meta, Dialect, Inbound, Op};
 use crate::estimate::{self, Endpoint, Estimate};
 use crate::governor::{Outcome, Pending, Record, RequestCtx, Served, SystemClock};
@@ -48,10 +49,19 @@ pub(super) async fn governed_here(
     let ready = match cx.prepare(who, &mut parts.headers, body).await {
         Ok(Next::Govern(ready)) => ready,
         Ok(Next::Answered(resp)) => return resp,
-        Err(refusal) => return cx.early(refusal).await,
+        Err(refusal) => return answer(cx.early(refusal)).await,
     };
     let (served, est) = cx.govern(ready, &parts.headers).await;
-    cx.reconcile(served, &est).await
+    answer(cx.reconcile(served, &est)).await
+}
+
+/// An answer, and the wait for room in a full audit queue its record may need.
+type Answer = (Response<Body>, Option<QueueWait>);
+
+/// Hands back the answer once its record is queued.
+async fn answer((resp, w): Answer) -> Response<Body> {
+    super::wait(w).await;
+    resp
 }
 
 /// What one request carries from phase to phase.
@@ -248,7 +258,7 @@ impl<'a> Ctx<'a> {
     }
 
     /// Reconcile what the governor served: settle the call with its usage and answer.
-    async fn reconcile(self, served: Served<UpstreamResponse>, est: &Estimate) -> Response<Body> {
+    fn reconcile(self, served: Served<UpstreamResponse>, est: &Estimate) -> Answer {
         match served {
             Served::Upstream {
                 mut payload,
@@ -257,8 +267,8 @@ impl<'a> Ctx<'a> {
                 self.meta.wire = payload.wire;
                 // The body goes its own way (buffered or streamed); the rest stays.
                 match std::mem::replace(&mut payload.body, UpBody::Buffered(Bytes::new())) {
-                    UpBody::Buffered(b) => self.buffered(payload, b, pending, est).await,
-                    UpBody::Stream(s) => self.streamed(payload, s, pending, est),
+                    UpBody::Buffered(b) => self.buffered(payload, b, pending, est),
+                    UpBody::Stream(s) => (self.streamed(payload, s, pending, est), None),
                 }
             }
             Served::Passthrough { payload } => {
@@ -275,7 +285,7 @@ impl<'a> Ctx<'a> {
                     &self.rec,
                     self.snap,
                 );
-                self.finish(resp).await
+                self.finish(resp)
             }
             Served::Static(text) => {
                 let resp = respond::static_answer(
@@ -286,24 +296,24 @@ impl<'a> Ctx<'a> {
                     &self.rec,
                     self.snap,
                 );
-                self.finish(resp).await
+                self.finish(resp)
             }
             Served::Refused => {
                 let resp = respond::refusal(&Refusal::Governed, &self.rec, self.snap);
-                self.finish(resp).await
+                self.finish(resp)
             }
         }
     }
 
     /// A buffered answer: metered (a passed-through one from its internal form), settled,
     /// redacted, recorded.
-    async fn buffered(
+    fn buffered(
         mut self,
         up: UpstreamResponse,
         b: Bytes,
         pending: Pending,
         est: &Estimate,
-    ) -> Response<Body> {
+    ) -> Answer {
         let policy = &self.snap.policy;
         let internal = up.internal.as_ref().unwrap_or(&b);
         crate::telemetry::otel::note_body(internal);
@@ -314,7 +324,7 @@ impl<'a> Ctx<'a> {
         let b = redact::bytes(self.snap, b);
         let mut resp = upstream_response(up.status, &up.headers, full(b), &self.rec, self.snap);
         cap_header(&mut resp, &self.rec, self.endpoint, est.max_output_tokens);
-        self.finish(resp).await
+        self.finish(resp)
     }
 
     /// A streamed answer: metered on the way; the stream settles and records the call when
@@ -354,18 +364,17 @@ impl<'a> Ctx<'a> {
     }
 
     /// A refusal before the governor ran: no call, no reservation.
-    async fn early(self, r: Refusal) -> Response<Body> {
+    fn early(self, r: Refusal) -> Answer {
         let origin = self.origin();
         let rec = r.record_early(self.rec);
         let resp = respond::refusal(&r, &rec, self.snap);
-        finish(self.app, origin, rec).await;
-        resp
+        (resp, finish(self.app, origin, rec))
     }
 
     /// Records the request and hands back its answer (everything but a stream).
-    async fn finish(self, resp: Response<Body>) -> Response<Body> {
-        finish(self.app, self.origin(), self.rec).await;
-        resp
+    fn finish(self, resp: Response<Body>) -> Answer {
+        let origin = self.origin();
+        (resp, finish(self.app, origin, self.rec))
     }
 
     fn origin(&self) -> Origin {
