@@ -5,6 +5,7 @@
 //! Sinks: JSONL (the full decision record), or the usage log (`row`) in SQLite (`sqlite`)
 //! or Postgres (`postgres`); `report` reads the usage log back for `tollgate usage`.
 
+mod line;
 pub mod postgres;
 pub mod report;
 pub mod row;
@@ -148,8 +149,7 @@ impl Audit {
 }
 
 fn write_one(out: &mut impl Write, e: &Entry) {
-    let res = serde_json::to_writer(&mut *out, e)
-        .and_then(|_| out.write_all(b"\n").map_err(serde_json::Error::io));
+    let res = line::write(&mut *out, e).and_then(|_| out.write_all(b"\n"));
     if let Err(err) = res {
         tracing::error!(%err, "audit write failed");
     }
