@@ -3,28 +3,38 @@
 //! 5xx), never an `ALLOW/OK` answer.
 
 use crate::estimate::Endpoint;
+use crate::stream::StreamUsage;
 use http::{header, HeaderMap, StatusCode};
 use serde::de::IgnoredAny;
 use serde::Deserialize;
+use serde_json::value::RawValue;
 
 #[derive(Deserialize)]
-struct Shape {
+struct Shape<'a> {
     #[serde(default)]
     choices: Option<Vec<IgnoredAny>>,
     #[serde(default)]
     data: Option<Vec<IgnoredAny>>,
+    /// Kept raw: a malformed usage object does not make the answer malformed.
+    #[serde(default, borrow)]
+    usage: Option<&'a RawValue>,
 }
 
 /// A buffered OpenAI-shaped answer: a JSON object with `choices` (chat, completions) or
 /// `data` (embeddings).
 pub fn openai_answer_ok(endpoint: Endpoint, body: &[u8]) -> bool {
-    match serde_json::from_slice::<Shape>(body) {
-        Ok(s) => match endpoint {
-            Endpoint::Embeddings => s.data.is_some(),
-            Endpoint::Chat | Endpoint::Completions => s.choices.is_some(),
-        },
-        Err(_) => false,
-    }
+    openai_answer(endpoint, body).is_some()
+}
+
+/// [`openai_answer_ok`], in the same pass reading the answer's `usage` object (`Some(None)`:
+/// the answer is fine but has no readable usage), so the answer is parsed once.
+pub fn openai_answer(endpoint: Endpoint, body: &[u8]) -> Option<Option<StreamUsage>> {
+    let s = serde_json::from_slice::<Shape<'_>>(body).ok()?;
+    let ok = match endpoint {
+        Endpoint::Embeddings => s.data.is_some(),
+        Endpoint::Chat | Endpoint::Completions => s.choices.is_some(),
+    };
+    ok.then(|| s.usage.and_then(|u| serde_json::from_str(u.get()).ok()))
 }
 
 /// A streamed answer's head: not a 204, not declared empty, and typed as a stream (SSE or
@@ -66,6 +76,16 @@ mod tests {
         assert!(!openai_answer_ok(Endpoint::Chat, b"<html>oops</html>"));
         assert!(!openai_answer_ok(Endpoint::Chat, b"{}"));
         assert!(!openai_answer_ok(Endpoint::Chat, b"[1]"));
+        // The usage is read in the same pass; a malformed one leaves the answer valid.
+        let u = openai_answer(
+            Endpoint::Chat,
+            br#"{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}}"#,
+        );
+        assert_eq!(u.unwrap().unwrap().completion_tokens, Some(4));
+        assert_eq!(
+            openai_answer(Endpoint::Chat, br#"{"choices":[],"usage":"lots"}"#),
+            Some(None)
+        );
     }
 
     #[test]

@@ -7,7 +7,7 @@
 
 use super::snapshot::Snapshot;
 use crate::units::valid_id;
-use http::HeaderMap;
+use http::{HeaderMap, HeaderName};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -46,21 +46,43 @@ impl IdentityError {
     }
 }
 
+static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
 static SEQ: AtomicU64 = AtomicU64::new(0);
 
-/// A fresh request id: a per-process random prefix and a sequence number.
+/// A fresh request id: a per-process random prefix and a sequence number
+/// (`tg-<8 hex>-<hex>`), written without `fmt`: one is made for most requests.
 pub fn new_request_id() -> Arc<str> {
     static PREFIX: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    let p = PREFIX.get_or_init(rand::random::<u32>);
-    let n = SEQ.fetch_add(1, Ordering::Relaxed);
-    Arc::from(format!("tg-{p:08x}-{n:x}"))
+    let p = *PREFIX.get_or_init(rand::random::<u32>);
+    request_id_of(p, SEQ.fetch_add(1, Ordering::Relaxed))
+}
+
+fn request_id_of(p: u32, n: u64) -> Arc<str> {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut buf = [0u8; 3 + 8 + 1 + 16];
+    buf[..3].copy_from_slice(b"tg-");
+    for (i, b) in buf[3..11].iter_mut().enumerate() {
+        *b = HEX[(p >> (28 - 4 * i) & 0xf) as usize];
+    }
+    buf[11] = b'-';
+    let digits = (64 - n.leading_zeros()).div_ceil(4).max(1) as usize;
+    for i in 0..digits {
+        buf[12 + i] = HEX[(n >> (4 * (digits - 1 - i)) & 0xf) as usize];
+    }
+    let len = 12 + digits;
+    // Only ASCII hex digits, `t`, `g` and `-` were written.
+    Arc::from(std::str::from_utf8(&buf[..len]).unwrap_or("tg-0"))
 }
 
 fn header_id(
     h: &HeaderMap,
-    name: &str,
+    name: Option<&HeaderName>,
     what: &'static str,
 ) -> Result<Option<Arc<str>>, IdentityError> {
+    let Some(name) = name else {
+        return Ok(None);
+    };
     match h.get(name) {
         None => Ok(None),
         Some(v) => match v.to_str() {
@@ -115,7 +137,7 @@ pub fn caller(
     // Virtual keys are only consulted when the policy configures them; otherwise the app's
     // Authorization (often a dummy key its SDK insists on) is ignored and never forwarded.
     if id.virtual_keys.is_empty() {
-        let consumer = header_id(h, &id.consumer_header, "consumer header")?
+        let consumer = header_id(h, snap.consumer_header.as_ref(), "consumer header")?
             .unwrap_or_else(|| id.default_consumer.clone());
         return Ok((consumer, None));
     }
@@ -133,11 +155,11 @@ pub fn caller(
 }
 
 pub fn identify(h: &HeaderMap, snap: &Snapshot) -> Result<Identity, (Arc<str>, IdentityError)> {
-    let request_id = match header_id(h, "x-request-id", "x-request-id") {
+    let request_id = match header_id(h, Some(&X_REQUEST_ID), "x-request-id") {
         Ok(Some(id)) => id,
         _ => new_request_id(),
     };
-    let job_id = match header_id(h, &snap.policy.identity.job_header, "job header") {
+    let job_id = match header_id(h, snap.job_header.as_ref(), "job header") {
         Ok(j) => j.unwrap_or_else(|| request_id.clone()),
         Err(e) => return Err((request_id, e)),
     };
@@ -161,6 +183,15 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert(http::header::AUTHORIZATION, HeaderValue::from_static(v));
         h
+    }
+
+    #[test]
+    fn request_ids_read_as_before() {
+        for p in [0, 0x2dcf_2d40, u32::MAX] {
+            for n in [0, 1, 15, 16, 255, 0x13f, 0xabc_def0, u64::MAX] {
+                assert_eq!(&*request_id_of(p, n), format!("tg-{p:08x}-{n:x}"));
+            }
+        }
     }
 
     #[test]

@@ -6,7 +6,6 @@
 use crate::governor::limits::{tightest, TokenLimit};
 use crate::units::Millis;
 use http::{HeaderMap, HeaderName, HeaderValue};
-use std::fmt::Write;
 
 static H_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit-tokens");
 static H_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining-tokens");
@@ -21,25 +20,45 @@ fn secs_until(at: Millis, now: Millis) -> u64 {
 
 /// A duration as OpenAI writes its reset headers: `0s`, `52s`, `1m30s`, `2h0m5s`.
 pub fn openai_duration(secs: u64) -> String {
+    let mut out = String::with_capacity(12);
     let (h, m, s) = (secs / 3600, secs % 3600 / 60, secs % 60);
-    match (h, m) {
-        (0, 0) => format!("{s}s"),
-        (0, _) => format!("{m}m{s}s"),
-        _ => format!("{h}h{m}m{s}s"),
+    if h > 0 {
+        push_u64(&mut out, h);
+        out.push('h');
     }
+    if h > 0 || m > 0 {
+        push_u64(&mut out, m);
+        out.push('m');
+    }
+    push_u64(&mut out, s);
+    out.push('s');
+    out
+}
+
+/// Decimal digits without `fmt` (these headers are written on every answer).
+fn push_u64(out: &mut String, n: u64) {
+    out.push_str(itoa::Buffer::new().format(n));
 }
 
 /// A bound name as a structured-field string: printable ASCII, `"` and `\` escaped.
 fn sf_string(out: &mut String, name: &str) {
     out.push('"');
-    for c in name.chars() {
-        match c {
-            '"' | '\\' => {
-                out.push('\\');
-                out.push(c);
+    // Names are usually plain: copied whole after one pass over their bytes.
+    if name
+        .bytes()
+        .all(|b| matches!(b, b' '..=b'~') && b != b'"' && b != b'\\')
+    {
+        out.push_str(name);
+    } else {
+        for c in name.chars() {
+            match c {
+                '"' | '\\' => {
+                    out.push('\\');
+                    out.push(c);
+                }
+                ' '..='~' => out.push(c),
+                _ => out.push('_'),
             }
-            ' '..='~' => out.push(c),
-            _ => out.push('_'),
         }
     }
     out.push('"');
@@ -53,14 +72,23 @@ pub fn ietf_fields(limits: &[TokenLimit], now: Millis) -> Option<(String, String
         let (Some(w), Some(reset)) = (l.window_secs, l.resets_at_ms) else {
             continue;
         };
-        if !policy.is_empty() {
+        if policy.is_empty() {
+            policy.reserve(64 * limits.len());
+            state.reserve(48 * limits.len());
+        } else {
             policy.push_str(", ");
             state.push_str(", ");
         }
         sf_string(&mut policy, &l.name);
-        let _ = write!(policy, ";q={};qu=\"tokens\";w={w}", l.limit);
+        policy.push_str(";q=");
+        push_u64(&mut policy, l.limit);
+        policy.push_str(";qu=\"tokens\";w=");
+        push_u64(&mut policy, w);
         sf_string(&mut state, &l.name);
-        let _ = write!(state, ";r={};t={}", l.remaining, secs_until(reset, now));
+        state.push_str(";r=");
+        push_u64(&mut state, l.remaining);
+        state.push_str(";t=");
+        push_u64(&mut state, secs_until(reset, now));
     }
     (!policy.is_empty()).then_some((policy, state))
 }
@@ -112,6 +140,8 @@ mod tests {
         assert_eq!(openai_duration(52), "52s");
         assert_eq!(openai_duration(90), "1m30s");
         assert_eq!(openai_duration(7205), "2h0m5s");
+        assert_eq!(openai_duration(3600), "1h0m0s");
+        assert_eq!(openai_duration(60), "1m0s");
         assert_eq!(secs_until(60_000, 17_500), 43);
         assert_eq!(secs_until(60_000, 61_000), 0);
     }
@@ -130,6 +160,9 @@ mod tests {
         );
         assert_eq!(s, r#""tpm";r=18766;t=42, "day \"q\"";r=5000;t=42"#);
         assert!(ietf_fields(&limits[1..2], 0).is_none());
+        // Outside printable ASCII: replaced, as a structured-field string must be.
+        let (p, _) = ietf_fields(&[tl("tägliche", false, 1, 1, Some(60))], 0).unwrap();
+        assert_eq!(p, r#""t_gliche";q=1;qu="tokens";w=60"#);
     }
 
     #[test]

@@ -73,6 +73,10 @@ pub struct Snapshot {
     /// Virtual keys, by secret or by digest.
     pub virtual_keys: VirtualKeys,
     pub version_header: HeaderValue,
+    /// `identity.consumer_header` and `identity.job_header`, parsed once per load (`None`:
+    /// not a header name, so never present).
+    pub consumer_header: Option<HeaderName>,
+    pub job_header: Option<HeaderName>,
     /// The `/v1/models` body.
     pub models_body: Bytes,
 }
@@ -127,7 +131,10 @@ impl Snapshot {
             .collect();
         let models_body =
             Bytes::from(serde_json::json!({"object": "list", "data": data}).to_string());
+        let name = |n: &str| HeaderName::from_bytes(n.as_bytes()).ok();
         Ok(Snapshot {
+            consumer_header: name(&policy.identity.consumer_header),
+            job_header: name(&policy.identity.job_header),
             policy,
             keys,
             auth,

@@ -11,6 +11,7 @@ use crate::providers::{
     self, Adapter, BuildCtx, Envelope, ErrorHint, NativeFormat, PassCtx, Translator,
     Untranslatable, Wire,
 };
+use crate::stream::StreamUsage;
 use bytes::Bytes;
 use dashmap::DashMap;
 use http::{HeaderMap, HeaderValue, Method, Request, StatusCode};
@@ -95,6 +96,9 @@ pub struct UpstreamResponse {
     pub wire: Wire,
     /// A passed-through buffered answer in the internal form, read for its usage only.
     pub internal: Option<Bytes>,
+    /// A buffered answer's `usage` object, read when the answer was checked (`None`: not
+    /// read, or unreadable: the usage is looked for again).
+    pub usage: Option<StreamUsage>,
     /// Turns a native stream into OpenAI chunks (`None`: already OpenAI SSE).
     pub translate: Option<Translator>,
     /// The backend's in-flight slot, held until the answer is fully read.
@@ -388,6 +392,7 @@ impl Call<'_> {
                                 deadline,
                                 wire,
                                 internal: None,
+                                usage: None,
                                 translate: None,
                                 permit: None,
                             },
@@ -442,6 +447,7 @@ impl Call<'_> {
                 deadline,
                 wire,
                 internal: None,
+                usage: None,
                 translate,
                 permit,
             });
@@ -454,9 +460,15 @@ impl Call<'_> {
         drop(permit);
         if let Some(n) = self.passed(wire) {
             // The client gets the native answer; its internal form is read for usage.
-            let internal = match provider.pass_answer(n.format, &b, &self.envelope(&spec)) {
-                Ok(i) if providers::validate::openai_answer_ok(self.endpoint, &i) => i,
-                Ok(_) | Err(_) => {
+            let read = provider
+                .pass_answer(n.format, &b, &self.envelope(&spec))
+                .ok()
+                .and_then(|i| {
+                    providers::validate::openai_answer(self.endpoint, &i).map(|u| (i, u))
+                });
+            let (internal, usage) = match read {
+                Some(r) => r,
+                None => {
                     tracing::warn!(backend = %backend.id, status = status.as_u16(), "unreadable answer");
                     return failure(FailureClass::Server, Some(status.as_u16()), None);
                 }
@@ -468,6 +480,7 @@ impl Call<'_> {
                 deadline,
                 wire,
                 internal: Some(internal),
+                usage,
                 translate: None,
                 permit: None,
             });
@@ -477,16 +490,18 @@ impl Call<'_> {
         } else {
             Ok(None)
         };
-        let body = match translated {
-            Ok(None) if !providers::validate::openai_answer_ok(self.endpoint, &b) => {
-                // A 2xx that is not the answer (an HTML page, empty, a 204): fail over.
-                tracing::warn!(backend = %backend.id, status = status.as_u16(), "the upstream's answer is not the expected JSON");
-                return failure(FailureClass::Server, Some(status.as_u16()), None);
-            }
-            Ok(None) => b,
+        let (body, usage) = match translated {
+            Ok(None) => match providers::validate::openai_answer(self.endpoint, &b) {
+                Some(usage) => (b, usage),
+                None => {
+                    // A 2xx that is not the answer (an HTML page, empty, a 204): fail over.
+                    tracing::warn!(backend = %backend.id, status = status.as_u16(), "the upstream's answer is not the expected JSON");
+                    return failure(FailureClass::Server, Some(status.as_u16()), None);
+                }
+            },
             Ok(Some(t)) => {
                 retype(&mut headers, "application/json");
-                t
+                (t, None)
             }
             Err(e) => {
                 // A 200 we cannot read is the backend's failure: fail over.
@@ -501,6 +516,7 @@ impl Call<'_> {
             deadline,
             wire,
             internal: None,
+            usage,
             translate: None,
             permit: None,
         })

@@ -317,7 +317,8 @@ impl<'a> Ctx<'a> {
         let policy = &self.snap.policy;
         let internal = up.internal.as_ref().unwrap_or(&b);
         crate::telemetry::otel::note_body(internal);
-        let (usage, evidence) = usage::buffered_usage(internal, est, policy.estimate.tokenizer);
+        let (usage, evidence) =
+            usage::buffered_usage(internal, up.usage, est, policy.estimate.tokenizer);
         self.app
             .governor
             .settle(policy, &mut self.rec, pending, usage, evidence);

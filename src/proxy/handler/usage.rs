@@ -33,11 +33,17 @@ struct Message {
 
 /// Usage of a buffered answer (in its internal, OpenAI form): the provider's, else the
 /// sidecar's own count.
+/// `read`: the usage object already read when the answer was checked (it is then not parsed
+/// again).
 pub(super) fn buffered_usage(
     b: &Bytes,
+    read: Option<StreamUsage>,
     est: &Estimate,
     tok: crate::policy::Tokenizer,
 ) -> (Usage, UsageEvidence) {
+    if let Some(u) = read.and_then(|u| u.to_usage()) {
+        return (u, UsageEvidence::Actual);
+    }
     if let Ok(UsageOnly { usage: Some(u) }) = serde_json::from_slice::<UsageOnly>(b) {
         if let Some(u) = u.to_usage() {
             return (u, UsageEvidence::Actual);
