@@ -12,6 +12,13 @@ use std::io::{self, Write};
 
 /// Writes `e` as one JSON object (no newline).
 pub fn write(out: &mut impl Write, e: &Entry) -> io::Result<()> {
+    // Built in a buffer (small appends are cheap there) and handed to `out` in one write.
+    let mut buf = Vec::with_capacity(1536);
+    fill(&mut buf, e)?;
+    out.write_all(&buf)
+}
+
+fn fill(out: &mut Vec<u8>, e: &Entry) -> io::Result<()> {
     let mut w = Line { out, first: true };
     w.out.write_all(b"{")?;
     w.text("ts", &e.ts)?;
@@ -163,12 +170,12 @@ impl<W: Write> Line<'_, W> {
 
     fn u64(&mut self, k: &str, v: u64) -> io::Result<()> {
         self.key(k)?;
-        CompactFormatter.write_u64(self.out, v)
+        self.out.write_all(itoa::Buffer::new().format(v).as_bytes())
     }
 
     fn i64(&mut self, k: &str, v: i64) -> io::Result<()> {
         self.key(k)?;
-        CompactFormatter.write_i64(self.out, v)
+        self.out.write_all(itoa::Buffer::new().format(v).as_bytes())
     }
 
     /// As `serde_json` writes an `f64`: shortest round-trip digits, `null` when not finite.
