@@ -17,8 +17,12 @@ use http::{HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde::Deserialize;
 use std::convert::Infallible;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Instant;
 
 mod body;
@@ -196,21 +200,56 @@ tokio::task_local! {
     static CLIENT_GONE: Arc<AtomicBool>;
 }
 
-/// Sets the flag when dropped armed: hyper dropped the service future (the client hung up).
-struct Watch(Option<Arc<AtomicBool>>);
+/// Polls the governed work in place, in the connection's task (no hand-off to another task
+/// on the common path). hyper drops the service future when the client hangs up; a call that
+/// reached the upstream must still be reconciled (its usage committed, its hold released
+/// then, its audit record written), so when this is dropped with the work unfinished, the
+/// client is marked gone and the work moves, still pinned in its box, to a task of its own
+/// that runs it to its end (bounded by the body read and upstream timeouts). A panic in the
+/// work is caught and answered as an internal error.
+struct Detach<F: Future + Send + 'static> {
+    work: Option<Pin<Box<F>>>,
+    gone: Arc<AtomicBool>,
+}
 
-impl Drop for Watch {
-    fn drop(&mut self) {
-        if let Some(f) = self.0.take() {
-            f.store(true, Ordering::Release);
+impl<F: Future + Send + 'static> Future for Detach<F> {
+    type Output = std::thread::Result<F::Output>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(w) = self.work.as_mut() else {
+            // Polled after it finished: it never will be again.
+            return Poll::Pending;
+        };
+        let r = std::panic::catch_unwind(AssertUnwindSafe(|| w.as_mut().poll(cx)));
+        match r {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(v)) => {
+                self.work = None;
+                Poll::Ready(Ok(v))
+            }
+            Err(panic) => {
+                self.work = None;
+                Poll::Ready(Err(panic))
+            }
         }
     }
 }
 
-/// Runs one governed request in a task of its own. hyper drops the service future when the
-/// client hangs up; a call that reached the upstream must still be reconciled (its usage
-/// committed, its hold released then, its audit record written), so the work is not tied to
-/// that future: it always runs to its end, bounded by the body read and upstream timeouts.
+impl<F: Future + Send + 'static> Drop for Detach<F> {
+    fn drop(&mut self) {
+        if let Some(w) = self.work.take() {
+            self.gone.store(true, Ordering::Release);
+            // No runtime: the process is shutting down, and the work with it.
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    let _ = w.await;
+                });
+            }
+        }
+    }
+}
+
+/// Runs one governed request to its end, whatever the client does (see [`Detach`]).
 async fn governed(
     app: &Arc<App>,
     snap: Arc<Snapshot>,
@@ -220,36 +259,36 @@ async fn governed(
     t0: Instant,
 ) -> (Response<Body>, Meta) {
     let gone = Arc::new(AtomicBool::new(false));
-    let mut watch = Watch(Some(gone.clone()));
     let app = app.clone();
-    // The request's trace (when OTLP export is on) lives in the task that does the work.
-    // Boxed: with export off (the usual case) the task carries a pointer, not the trace.
+    // The request's trace (when OTLP export is on) lives in the future that does the work.
+    // Boxed: with export off (the usual case) the work carries a pointer, not the trace.
     let trace = crate::telemetry::otel::get().map(|o| Box::new(o.start(req.headers(), endpoint)));
-    let work = CLIENT_GONE.scope(gone, async move {
+    let work = CLIENT_GONE.scope(gone.clone(), async move {
         let mut meta = Meta::default();
-        let fut: std::pin::Pin<Box<dyn std::future::Future<Output = Response<Body>> + Send + '_>> =
-            Box::pin(phases::governed_here(
-                &app, snap, endpoint, &inb, &mut meta, req, t0,
-            ));
+        let fut: Pin<Box<dyn Future<Output = Response<Body>> + Send + '_>> = Box::pin(
+            phases::governed_here(&app, snap, endpoint, &inb, &mut meta, req, t0),
+        );
         let resp = match trace {
             None => fut.await,
             Some(t) => Box::pin(crate::telemetry::otel::scope(*t, fut)).await,
         };
         (resp, meta)
     });
-    let out = match tokio::spawn(work).await {
+    let detached = Detach {
+        work: Some(Box::pin(work)),
+        gone,
+    };
+    match detached.await {
         Ok(r) => r,
-        Err(e) => {
-            tracing::error!(error = %e, "the governed request task failed");
+        Err(_) => {
+            tracing::error!("the governed request panicked");
             let mut r = Response::new(full(Bytes::from_static(
                 b"{\"error\":{\"message\":\"internal error\",\"type\":\"tollgate_error\",\"param\":null,\"code\":\"internal_error\"}}",
             )));
             *r.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
             (r, Meta::default())
         }
-    };
-    watch.0 = None;
-    out
+    }
 }
 
 /// Whether the client of the request this task serves has gone away.
