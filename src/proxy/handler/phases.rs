@@ -426,6 +426,9 @@ fn cap_header(resp: &mut Response<Body>, rec: &Record, endpoint: Endpoint, clien
     }
 }
 
+/// Headers `respond::stamp` and `cap_header` may add to an answer.
+const STAMPED_HEADERS: usize = 12;
+
 const H_OUTPUT_CAP: http::HeaderName = http::HeaderName::from_static("x-tollgate-output-cap");
 
 fn upstream_response(
@@ -438,6 +441,9 @@ fn upstream_response(
     let mut resp = Response::new(body);
     *resp.status_mut() = status;
     let h = resp.headers_mut();
+    // Room for the upstream's headers and the sidecar's own (decision, ids, limits) at once,
+    // instead of growing the map as they are added.
+    h.reserve(headers.len() + STAMPED_HEADERS);
     for (k, v) in headers {
         if !is_hop_by_hop(k) {
             h.append(k.clone(), v.clone());
