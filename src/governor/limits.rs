@@ -170,7 +170,7 @@ fn window_secs(w: crate::units::Window) -> u64 {
 
 /// Every hard token bound on the request's counters, with its room left now.
 pub fn token_limits(policy: &Policy, windows: &WindowSet, parts: &[&PartInfo]) -> Vec<TokenLimit> {
-    let mut out = Vec::new();
+    let mut out = Vec::with_capacity(parts.len());
     for (pi, p) in parts.iter().enumerate() {
         let mut used = None;
         for &bi in &p.bounds {

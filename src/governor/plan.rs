@@ -102,7 +102,7 @@ pub fn request_parts(
     ledger: &Ledger,
     who: &Who<'_>,
 ) -> Vec<PartInfo> {
-    let mut parts = Vec::new();
+    let mut parts = Vec::with_capacity(policy.bounds.len());
     for (idx, b) in policy.bounds.iter().enumerate() {
         let id = match b.scope {
             Scope::Request => who.request_id.clone(),
@@ -145,7 +145,7 @@ pub fn entry_parts(
     backend: &Backend,
     model: &Arc<str>,
 ) -> Vec<PartInfo> {
-    let mut parts = Vec::new();
+    let mut parts = Vec::with_capacity(policy.bounds.len());
     for (idx, b) in policy.bounds.iter().enumerate() {
         let id = match b.scope {
             Scope::Backend => backend.id.clone(),
