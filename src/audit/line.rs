@@ -42,15 +42,7 @@ fn record<W: Write>(w: &mut Line<'_, W>, r: &Record) -> io::Result<()> {
     if let Some(v) = r.retry_after {
         w.u64("retry_after", v)?;
     }
-    w.key("calls")?;
-    w.out.write_all(b"[")?;
-    for (i, c) in r.calls.iter().enumerate() {
-        if i > 0 {
-            w.out.write_all(b",")?;
-        }
-        string(w.out, c)?;
-    }
-    w.out.write_all(b"]")?;
+    w.array("calls", &r.calls, |out, c| string(out, c))?;
     if let Some(v) = r.upstream_max_tokens {
         w.u64("upstream_max_tokens", v)?;
     }
@@ -82,15 +74,7 @@ fn record<W: Write>(w: &mut Line<'_, W>, r: &Record) -> io::Result<()> {
     if let Some(v) = r.remaining_tokens {
         w.u64("remaining_tokens", v)?;
     }
-    w.key("attempts")?;
-    w.out.write_all(b"[")?;
-    for (i, a) in r.attempts.iter().enumerate() {
-        if i > 0 {
-            w.out.write_all(b",")?;
-        }
-        attempt(w.out, a)?;
-    }
-    w.out.write_all(b"]")?;
+    w.array("attempts", &r.attempts, |out, a| attempt(out, a))?;
     w.serde("refusals", &r.refusals)?;
     if let Some(l) = &r.limit {
         w.serde("limit", l)?;
@@ -186,6 +170,24 @@ impl<W: Write> Line<'_, W> {
         } else {
             self.out.write_all(b"null")
         }
+    }
+
+    /// `"k":[…]`, each item written by `item`.
+    fn array<T>(
+        &mut self,
+        k: &str,
+        items: &[T],
+        item: impl Fn(&mut W, &T) -> io::Result<()>,
+    ) -> io::Result<()> {
+        self.key(k)?;
+        self.out.write_all(b"[")?;
+        for (i, x) in items.iter().enumerate() {
+            if i > 0 {
+                self.out.write_all(b",")?;
+            }
+            item(self.out, x)?;
+        }
+        self.out.write_all(b"]")
     }
 
     fn serde(&mut self, k: &str, v: &impl serde::Serialize) -> io::Result<()> {
