@@ -184,6 +184,10 @@ fn json_line(r: &ScenarioResult) -> serde_json::Value {
 /// `POST /admin/reload` reload the policy (not the embedded default: it has no file).
 pub async fn serve(args: &ServeArgs) -> u8 {
     init_tracing(args.log_format);
+    // Before anything is served: a SIGTERM that arrives as soon as the first answers have
+    // gone out must already find the handlers (else its default action kills the process
+    // without the drain).
+    let signals = Signals::install();
     let path = args.policy.as_deref();
     let snap = match load_policy(path)
         .map_err(|e| e.to_string())
@@ -242,7 +246,7 @@ pub async fn serve(args: &ServeArgs) -> u8 {
             Box::pin(async move { store.ready().await })
         }));
     }
-    wait_for_signals(&running).await;
+    signals.wait(&running).await;
     tracing::info!("shutting down: draining in-flight requests");
     let app = running.app.clone();
     running.shutdown().await;
@@ -391,29 +395,54 @@ fn jsonl_report(
     Ok(r)
 }
 
-#[cfg(unix)]
-async fn wait_for_signals(running: &crate::sidecar::Running) {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::hangup()),
-    ) else {
-        tracing::error!("cannot install signal handlers");
-        let _ = tokio::signal::ctrl_c().await;
-        return;
-    };
-    loop {
-        tokio::select! {
-            _ = term.recv() => return,
-            _ = int.recv() => return,
-            // Logged, counted and kept for /admin/status by the one reload path.
-            _ = hup.recv() => { let _ = running.reload(crate::admin::Trigger::Signal).await; }
-        }
-    }
+/// SIGTERM, SIGINT and SIGHUP, listened for from start-up on.
+struct Signals {
+    #[cfg(unix)]
+    streams: Option<[tokio::signal::unix::Signal; 3]>,
 }
 
-#[cfg(not(unix))]
-async fn wait_for_signals(_running: &crate::sidecar::Running) {
-    let _ = tokio::signal::ctrl_c().await;
+impl Signals {
+    #[cfg(unix)]
+    fn install() -> Signals {
+        use tokio::signal::unix::{signal, SignalKind};
+        let streams = match (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::hangup()),
+        ) {
+            (Ok(t), Ok(i), Ok(h)) => Some([t, i, h]),
+            _ => {
+                tracing::error!("cannot install signal handlers");
+                None
+            }
+        };
+        Signals { streams }
+    }
+
+    #[cfg(not(unix))]
+    fn install() -> Signals {
+        Signals {}
+    }
+
+    /// Until SIGTERM or SIGINT; each SIGHUP reloads the policy.
+    #[cfg(unix)]
+    async fn wait(self, running: &crate::sidecar::Running) {
+        let Some([mut term, mut int, mut hup]) = self.streams else {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        };
+        loop {
+            tokio::select! {
+                _ = term.recv() => return,
+                _ = int.recv() => return,
+                // Logged, counted and kept for /admin/status by the one reload path.
+                _ = hup.recv() => { let _ = running.reload(crate::admin::Trigger::Signal).await; }
+            }
+        }
+    }
+
+    #[cfg(not(unix))]
+    async fn wait(self, _running: &crate::sidecar::Running) {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }
