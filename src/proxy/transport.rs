@@ -96,9 +96,10 @@ pub struct UpstreamResponse {
     pub wire: Wire,
     /// A passed-through buffered answer in the internal form, read for its usage only.
     pub internal: Option<Bytes>,
-    /// A buffered answer's `usage` object, read when the answer was checked (`None`: not
-    /// read, or unreadable: the usage is looked for again).
-    pub usage: Option<StreamUsage>,
+    /// A buffered answer's `usage` object as read when the answer was checked: `Some(None)`
+    /// when it had none (or an unreadable one); `None` when it was not checked (a translated
+    /// answer), so the usage is looked for in the body.
+    pub usage: Option<Option<StreamUsage>>,
     /// Turns a native stream into OpenAI chunks (`None`: already OpenAI SSE).
     pub translate: Option<Translator>,
     /// The backend's in-flight slot, held until the answer is fully read.
@@ -480,7 +481,7 @@ impl Call<'_> {
                 deadline,
                 wire,
                 internal: Some(internal),
-                usage,
+                usage: Some(usage),
                 translate: None,
                 permit: None,
             });
@@ -492,7 +493,7 @@ impl Call<'_> {
         };
         let (body, usage) = match translated {
             Ok(None) => match providers::validate::openai_answer(self.endpoint, &b) {
-                Some(usage) => (b, usage),
+                Some(usage) => (b, Some(usage)),
                 None => {
                     // A 2xx that is not the answer (an HTML page, empty, a 204): fail over.
                     tracing::warn!(backend = %backend.id, status = status.as_u16(), "the upstream's answer is not the expected JSON");

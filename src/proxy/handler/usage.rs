@@ -33,21 +33,21 @@ struct Message {
 
 /// Usage of a buffered answer (in its internal, OpenAI form): the provider's, else the
 /// sidecar's own count.
-/// `read`: the usage object already read when the answer was checked (it is then not parsed
-/// again).
+/// `checked`: the usage object as read when the answer was checked (`Some`: the body is not
+/// searched for it again); `None`: not checked, so it is read from the body here.
 pub(super) fn buffered_usage(
     b: &Bytes,
-    read: Option<StreamUsage>,
+    checked: Option<Option<StreamUsage>>,
     est: &Estimate,
     tok: crate::policy::Tokenizer,
 ) -> (Usage, UsageEvidence) {
+    let read = checked.unwrap_or_else(|| {
+        serde_json::from_slice::<UsageOnly>(b)
+            .ok()
+            .and_then(|u| u.usage)
+    });
     if let Some(u) = read.and_then(|u| u.to_usage()) {
         return (u, UsageEvidence::Actual);
-    }
-    if let Ok(UsageOnly { usage: Some(u) }) = serde_json::from_slice::<UsageOnly>(b) {
-        if let Some(u) = u.to_usage() {
-            return (u, UsageEvidence::Actual);
-        }
     }
     let mut out = 0;
     if let Ok(c) = serde_json::from_slice::<Choices>(b) {
