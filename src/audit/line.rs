@@ -38,13 +38,13 @@ fn record<W: Write>(w: &mut Line<'_, W>, r: &Record) -> io::Result<()> {
     w.raw("fallback_state", r.fallback_state.as_str())?;
     w.raw("final_action", r.final_action.as_str())?;
     w.raw("reason_class", r.reason_class.as_str())?;
-    w.u64("http_status", u64::from(r.http_status))?;
+    w.int("http_status", u64::from(r.http_status))?;
     if let Some(v) = r.retry_after {
-        w.u64("retry_after", v)?;
+        w.int("retry_after", v)?;
     }
     w.array("calls", &r.calls, |out, c| string(out, c))?;
     if let Some(v) = r.upstream_max_tokens {
-        w.u64("upstream_max_tokens", v)?;
+        w.int("upstream_max_tokens", v)?;
     }
     w.text("policy_version", &r.policy_version)?;
     w.text("request_id", &r.request_id)?;
@@ -58,21 +58,21 @@ fn record<W: Write>(w: &mut Line<'_, W>, r: &Record) -> io::Result<()> {
     if let Some(m) = &r.upstream_model {
         w.text("upstream_model", m)?;
     }
-    w.u64("estimated_input_tokens", r.estimated_input_tokens)?;
-    w.u64("requested_output_tokens", r.requested_output_tokens)?;
-    w.u64("worst_case_tokens", r.worst_case_tokens)?;
+    w.int("estimated_input_tokens", r.estimated_input_tokens)?;
+    w.int("requested_output_tokens", r.requested_output_tokens)?;
+    w.int("worst_case_tokens", r.worst_case_tokens)?;
     w.f64("worst_case_usd", r.worst_case_usd)?;
-    w.u64("actual_input_tokens", r.actual_input_tokens)?;
-    w.u64("actual_output_tokens", r.actual_output_tokens)?;
-    w.u64("actual_cached_input_tokens", r.actual_cached_input_tokens)?;
-    w.u64("actual_cache_write_tokens", r.actual_cache_write_tokens)?;
+    w.int("actual_input_tokens", r.actual_input_tokens)?;
+    w.int("actual_output_tokens", r.actual_output_tokens)?;
+    w.int("actual_cached_input_tokens", r.actual_cached_input_tokens)?;
+    w.int("actual_cache_write_tokens", r.actual_cache_write_tokens)?;
     w.f64("cost_usd", r.cost_usd)?;
-    w.u64("job_attempts", u64::from(r.job_attempts))?;
-    w.u64("retry_budget", u64::from(r.retry_budget))?;
-    w.u64("job_fallbacks", u64::from(r.job_fallbacks))?;
+    w.int("job_attempts", u64::from(r.job_attempts))?;
+    w.int("retry_budget", u64::from(r.retry_budget))?;
+    w.int("job_fallbacks", u64::from(r.job_fallbacks))?;
     w.f64("amplification", r.amplification)?;
     if let Some(v) = r.remaining_tokens {
-        w.u64("remaining_tokens", v)?;
+        w.int("remaining_tokens", v)?;
     }
     w.array("attempts", &r.attempts, |out, a| attempt(out, a))?;
     w.serde("refusals", &r.refusals)?;
@@ -101,23 +101,23 @@ fn attempt(out: &mut impl Write, a: &AttemptRecord) -> io::Result<()> {
     w.out.write_all(b"{")?;
     w.text("backend", &a.backend)?;
     w.text("model", &a.model)?;
-    w.u64("attempt", u64::from(a.attempt))?;
+    w.int("attempt", u64::from(a.attempt))?;
     w.key("probe")?;
     w.out.write_all(if a.probe { b"true" } else { b"false" })?;
-    w.u64("worst_tokens", a.worst_tokens)?;
+    w.int("worst_tokens", a.worst_tokens)?;
     w.f64("worst_cost_usd", a.worst_cost_usd)?;
-    w.u64("max_output_tokens", a.max_output_tokens)?;
+    w.int("max_output_tokens", a.max_output_tokens)?;
     w.text("outcome", a.outcome)?;
     if let Some(s) = a.status {
-        w.u64("status", u64::from(s))?;
+        w.int("status", u64::from(s))?;
     }
     if let Some(v) = a.retry_after_ms {
-        w.i64("retry_after_ms", v)?;
+        w.int("retry_after_ms", v)?;
     }
     w.raw("circuit_before", a.circuit_before.as_str())?;
     w.raw("circuit_after", a.circuit_after.as_str())?;
-    w.i64("latency_ms", a.latency_ms)?;
-    w.i64("waited_ms", a.waited_ms)?;
+    w.int("latency_ms", a.latency_ms)?;
+    w.int("waited_ms", a.waited_ms)?;
     w.out.write_all(b"}")
 }
 
@@ -152,12 +152,7 @@ impl<W: Write> Line<'_, W> {
         string(self.out, v)
     }
 
-    fn u64(&mut self, k: &str, v: u64) -> io::Result<()> {
-        self.key(k)?;
-        self.out.write_all(itoa::Buffer::new().format(v).as_bytes())
-    }
-
-    fn i64(&mut self, k: &str, v: i64) -> io::Result<()> {
+    fn int(&mut self, k: &str, v: impl itoa::Integer) -> io::Result<()> {
         self.key(k)?;
         self.out.write_all(itoa::Buffer::new().format(v).as_bytes())
     }
