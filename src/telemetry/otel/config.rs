@@ -1,10 +1,8 @@
 //! Export settings: the standard `OTEL_*` variables, over the policy's `telemetry.otlp`
 //! section (the environment wins, as the operator's last word on a deployment).
 
+use super::context::{Root, Sampler};
 use crate::policy::OtlpCfg;
-use opentelemetry::KeyValue;
-use opentelemetry_sdk::trace::Sampler;
-use opentelemetry_sdk::Resource;
 use std::time::Duration;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,11 +17,17 @@ pub struct Settings {
     pub traces_endpoint: String,
     pub metrics_endpoint: String,
     pub protocol: Protocol,
-    /// `service.name` when neither `OTEL_SERVICE_NAME` nor `OTEL_RESOURCE_ATTRIBUTES` names it.
+    /// `service.name`: `OTEL_SERVICE_NAME`, else `OTEL_RESOURCE_ATTRIBUTES`' own, else the
+    /// policy's `service_name`, else `tollgate`.
     pub service_name: String,
-    /// A `parentbased_traceidratio` ratio from the policy; `None`: the SDK reads
-    /// `OTEL_TRACES_SAMPLER`/`_ARG` (default parent-based always-on).
-    pub sample_ratio: Option<f64>,
+    /// The other resource attributes (`OTEL_RESOURCE_ATTRIBUTES`, percent-decoded).
+    pub resource_attributes: Vec<(String, String)>,
+    /// `OTEL_TRACES_SAMPLER`/`_ARG`, else the policy's `sample_ratio` (parent-based), else
+    /// parent-based always-on.
+    pub sampler: Sampler,
+    /// `OTEL_EXPORTER_OTLP_HEADERS` (and the per-signal variables' are not read): sent with
+    /// every export, marked sensitive, never logged.
+    pub headers: Vec<(http::HeaderName, http::HeaderValue)>,
     /// Bounded span queue (`OTEL_BSP_MAX_QUEUE_SIZE`, default 2048).
     pub queue: usize,
     /// Spans per export (`OTEL_BSP_MAX_EXPORT_BATCH_SIZE`, default 512).
@@ -105,19 +109,46 @@ pub fn settings(
         policy.queue.unwrap_or(DEFAULT_QUEUE),
     )?;
     let batch = count("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", DEFAULT_BATCH)?.min(queue);
+    let sampler = match var("OTEL_TRACES_SAMPLER") {
+        Some(name) => Sampler::from_env(&name, var("OTEL_TRACES_SAMPLER_ARG").as_deref())?,
+        None => match policy.sample_ratio {
+            Some(r) if (0.0..=1.0).contains(&r) => Sampler::ParentBased(Root::Ratio(r)),
+            Some(r) => return Err(format!("telemetry.otlp.sample_ratio {r} is not in 0..=1")),
+            None => Sampler::ParentBased(Root::AlwaysOn),
+        },
+    };
+    let mut resource_attributes = match var("OTEL_RESOURCE_ATTRIBUTES") {
+        Some(v) => pairs("OTEL_RESOURCE_ATTRIBUTES", &v)?,
+        None => Vec::new(),
+    };
+    let from_attrs = resource_attributes
+        .iter()
+        .position(|(k, _)| k == "service.name")
+        .map(|i| resource_attributes.remove(i).1);
+    let service_name = var("OTEL_SERVICE_NAME")
+        .or(from_attrs)
+        .or_else(|| policy.service_name.clone())
+        .unwrap_or_else(|| "tollgate".into());
+    let mut headers = Vec::new();
+    if let Some(v) = var("OTEL_EXPORTER_OTLP_HEADERS") {
+        for (k, v) in pairs("OTEL_EXPORTER_OTLP_HEADERS", &v)? {
+            let name = http::HeaderName::from_bytes(k.as_bytes())
+                .map_err(|_| format!("OTEL_EXPORTER_OTLP_HEADERS: `{k}` is not a header name"))?;
+            let mut value = http::HeaderValue::from_str(&v).map_err(|_| {
+                format!("OTEL_EXPORTER_OTLP_HEADERS: the value of `{k}` is not a header value")
+            })?;
+            value.set_sensitive(true);
+            headers.push((name, value));
+        }
+    }
     Ok(Some(Settings {
         traces_endpoint,
         metrics_endpoint,
         protocol,
-        service_name: policy
-            .service_name
-            .clone()
-            .unwrap_or_else(|| "tollgate".into()),
-        sample_ratio: if var("OTEL_TRACES_SAMPLER").is_some() {
-            None
-        } else {
-            policy.sample_ratio
-        },
+        service_name,
+        resource_attributes,
+        sampler,
+        headers,
         queue,
         batch,
         schedule_delay: ms("OTEL_BSP_SCHEDULE_DELAY", DEFAULT_DELAY)?,
@@ -148,22 +179,66 @@ impl Settings {
         settings(&|_| None, &cfg)?.ok_or_else(|| "no endpoint".to_string())
     }
 
-    /// The SDK's resource (`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, telemetry.sdk.*),
-    /// named `service_name` unless the environment names it.
-    pub(super) fn resource(&self) -> Resource {
-        let env_names = std::env::var("OTEL_SERVICE_NAME").is_ok_and(|v| !v.is_empty())
-            || std::env::var("OTEL_RESOURCE_ATTRIBUTES").is_ok_and(|v| v.contains("service.name="));
-        let b = Resource::builder()
-            .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")));
-        if env_names {
-            b.build()
+    /// The resource's attributes, in export order: `service.name`, `service.version`, the
+    /// `telemetry.sdk.*` trio, then `OTEL_RESOURCE_ATTRIBUTES`' others.
+    pub(super) fn resource(&self) -> Vec<(String, String)> {
+        let mut out = vec![
+            ("service.name".to_string(), self.service_name.clone()),
+            (
+                "service.version".to_string(),
+                env!("CARGO_PKG_VERSION").to_string(),
+            ),
+            ("telemetry.sdk.name".to_string(), "tollgate".to_string()),
+            ("telemetry.sdk.language".to_string(), "rust".to_string()),
+            (
+                "telemetry.sdk.version".to_string(),
+                env!("CARGO_PKG_VERSION").to_string(),
+            ),
+        ];
+        for (k, v) in &self.resource_attributes {
+            match out.iter_mut().find(|(ok, _)| ok == k) {
+                Some(slot) => slot.1 = v.clone(),
+                None => out.push((k.clone(), v.clone())),
+            }
+        }
+        out
+    }
+}
+
+/// `k=v,k2=v2` (the W3C Baggage-like list the OTel spec uses for `OTEL_RESOURCE_ATTRIBUTES`
+/// and `OTEL_EXPORTER_OTLP_HEADERS`): keys trimmed, values trimmed and percent-decoded.
+fn pairs(var: &str, v: &str) -> Result<Vec<(String, String)>, String> {
+    let mut out = Vec::new();
+    for item in v.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let (k, val) = item
+            .split_once('=')
+            // Not echoed: a header entry may hold a key.
+            .ok_or_else(|| format!("{var}: an entry is not key=value"))?;
+        let k = k.trim();
+        if k.is_empty() {
+            return Err(format!("{var}: an entry has an empty key"));
+        }
+        let val = percent_decode(val.trim())
+            .ok_or_else(|| format!("{var}: the value of `{k}` is not valid percent-encoding"))?;
+        out.push((k.to_string(), val));
+    }
+    Ok(out)
+}
+
+fn percent_decode(s: &str) -> Option<String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let h = b.get(i + 1..i + 3)?;
+            let h = std::str::from_utf8(h).ok()?;
+            out.push(u8::from_str_radix(h, 16).ok()?);
+            i += 3;
         } else {
-            b.with_service_name(self.service_name.clone()).build()
+            out.push(b[i]);
+            i += 1;
         }
     }
-
-    pub(super) fn sampler(&self) -> Option<Sampler> {
-        self.sample_ratio
-            .map(|r| Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(r))))
-    }
+    String::from_utf8(out).ok()
 }

@@ -1,45 +1,41 @@
-//! The way out: an OTLP/HTTP client on our own hyper + rustls stack, a bounded span queue
-//! drained by a background task, and the periodic metric reader.
+//! The way out: the finished-request queue, the export task that turns it into OTLP (spans
+//! in batches, metrics every interval), and the task that posts to the collector over our own
+//! hyper + rustls stack.
 //!
-//! The request path only ever `try_send`s a finished span into the queue: when it is full the
-//! span is dropped and counted. The task exports in batches (when a batch fills, or every
-//! schedule delay), each export bounded by the timeout; a failed batch is dropped and counted.
+//! The request path only ever pushes a [`Finished`] record into a fixed-size lock-free queue:
+//! when the queue is full the record is dropped and its spans counted. Nothing on the request
+//! path wakes a task: the export task drains the queue every schedule delay, or sooner when a
+//! batch's worth is waiting. It never waits on the network either: encoded exports go to the
+//! sender task through a short channel, and when that is full (the collector is slow or down)
+//! the batch is dropped and counted. Each post is bounded by the timeout, with no retries.
 
 use super::config::Settings;
+use super::metrics::Aggregates;
+use super::proto::Writer;
+use super::spans::{now_ns, Finished, Outcome, STATE_KEYS};
 use crate::telemetry::names::TOLLGATE_OTEL_DROPPED_SPANS_TOTAL;
 use bytes::Bytes;
-use http::{Request, Response};
+use crossbeam_queue::ArrayQueue;
+use http::{Request, Uri};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
-use opentelemetry::Context;
-use opentelemetry_http::{HttpClient, HttpError};
-use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig};
-use opentelemetry_sdk::error::OTelSdkResult;
-use opentelemetry_sdk::metrics::periodic_reader_with_async_runtime::PeriodicReader;
-use opentelemetry_sdk::metrics::SdkMeterProvider;
-use opentelemetry_sdk::trace::{Span, SpanData, SpanExporter, SpanProcessor};
-use opentelemetry_sdk::Resource;
-use std::future::Future;
-use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, Notify};
 
 /// Largest collector answer read (it is a small protobuf status).
 const MAX_ANSWER: usize = 64 * 1024;
+
+/// Encoded exports waiting for the sender (each up to a batch of spans, or one metric export).
+const OUTBOX: usize = 4;
 
 /// The exporter's HTTP client: hyper with the rustls connector the upstream calls use.
 #[derive(Clone)]
 pub(super) struct HyperClient {
     client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     timeout: Duration,
-}
-
-impl std::fmt::Debug for HyperClient {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HyperClient").finish_non_exhaustive()
-    }
 }
 
 impl HyperClient {
@@ -61,18 +57,31 @@ impl HyperClient {
         HyperClient { client, timeout }
     }
 
-    async fn send(&self, request: Request<Bytes>) -> Result<Response<Bytes>, HttpError> {
-        let (parts, body) = request.into_parts();
-        let req = Request::from_parts(parts, Full::new(body));
+    /// Posts one OTLP/HTTP protobuf export; `Err` with a short reason unless the collector
+    /// answered 2xx within the timeout.
+    async fn post(
+        &self,
+        url: &Uri,
+        headers: &[(http::HeaderName, http::HeaderValue)],
+        body: Bytes,
+    ) -> Result<(), String> {
+        let mut req = Request::post(url.clone())
+            .header(http::header::CONTENT_TYPE, "application/x-protobuf")
+            .body(Full::new(body))
+            .map_err(|e| e.to_string())?;
+        for (k, v) in headers {
+            req.headers_mut().insert(k.clone(), v.clone());
+        }
         let call = async {
-            let resp = self.client.request(req).await?;
-            let (parts, body) = resp.into_parts();
-            let body = Limited::new(body, MAX_ANSWER)
-                .collect()
-                .await
-                .map_err(|e| -> HttpError { e.to_string().into() })?
-                .to_bytes();
-            Ok::<_, HttpError>(Response::from_parts(parts, body))
+            let resp = self.client.request(req).await.map_err(|e| e.to_string())?;
+            let status = resp.status();
+            // Read (bounded) so the connection can be reused.
+            let _ = Limited::new(resp.into_body(), MAX_ANSWER).collect().await;
+            if status.is_success() {
+                Ok(())
+            } else {
+                Err(format!("collector answered {status}"))
+            }
         };
         match tokio::time::timeout(self.timeout, call).await {
             Ok(r) => r,
@@ -81,21 +90,56 @@ impl HyperClient {
     }
 }
 
-impl HttpClient for HyperClient {
-    fn send_bytes<'a, 'b>(
-        &'a self,
-        request: Request<Bytes>,
-    ) -> Pin<Box<dyn Future<Output = Result<Response<Bytes>, HttpError>> + Send + 'b>>
-    where
-        'a: 'b,
-        Self: 'b,
-    {
-        Box::pin(self.send(request))
+/// The finished-request queue the request path pushes into.
+pub(crate) struct SpanQueue {
+    q: ArrayQueue<Finished>,
+    /// A batch's worth is waiting: the export task drains early.
+    batch: usize,
+    ready: Notify,
+    full: metrics::Counter,
+}
+
+impl std::fmt::Debug for SpanQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SpanQueue")
+            .field("len", &self.q.len())
+            .finish()
     }
 }
 
-/// Asks the queue's task to export everything queued now.
-#[derive(Debug, Clone)]
+/// The spans a finished request exports (none when its trace is not sampled).
+fn spans_of(f: &Finished) -> u64 {
+    if f.ids.sampled {
+        1 + f.attempts.len() as u64
+    } else {
+        0
+    }
+}
+
+impl SpanQueue {
+    /// Queues `f` without blocking or waking anyone unless a batch is ready.
+    pub(crate) fn push(&self, f: Finished) {
+        match self.q.push(f) {
+            Ok(()) => {
+                if self.q.len() == self.batch {
+                    self.ready.notify_one();
+                }
+            }
+            Err(f) => self.full.increment(spans_of(&f)),
+        }
+    }
+}
+
+/// What the sender posts.
+enum Out {
+    Spans(Bytes, u64),
+    Metrics(Bytes),
+    /// Everything before it was posted (a flush).
+    Ack(oneshot::Sender<()>),
+}
+
+/// Asks the export task to drain, encode and post everything now, and to answer when done.
+#[derive(Debug)]
 pub(super) struct Control(mpsc::Sender<oneshot::Sender<()>>);
 
 impl Control {
@@ -107,164 +151,456 @@ impl Control {
     }
 }
 
-/// The span processor the tracer calls: a non-blocking hand-off into the bounded queue.
-#[derive(Debug)]
-pub(super) struct Queue {
-    tx: mpsc::Sender<SpanData>,
+/// Pre-encoded pieces every export repeats.
+pub(super) struct Fixed {
+    /// `Resource` message body (its attributes).
+    pub resource: Vec<u8>,
+    /// `InstrumentationScope` message body.
+    pub scope: Vec<u8>,
+}
+
+/// Starts the export and sender tasks on the current runtime; returns the queue and control.
+pub(super) fn start(s: &Settings, fixed: Fixed) -> Result<(Arc<SpanQueue>, Control), String> {
+    let rt = tokio::runtime::Handle::try_current()
+        .map_err(|_| "no Tokio runtime to export from".to_string())?;
+    let traces: Uri = s.traces_endpoint.parse().map_err(|e| format!("{e}"))?;
+    let metrics_url: Uri = s.metrics_endpoint.parse().map_err(|e| format!("{e}"))?;
+    let queue = Arc::new(SpanQueue {
+        q: ArrayQueue::new(s.queue),
+        batch: s.batch,
+        ready: Notify::new(),
+        full: metrics::counter!(TOLLGATE_OTEL_DROPPED_SPANS_TOTAL, "reason" => "queue_full"),
+    });
+    let (out_tx, out_rx) = mpsc::channel(OUTBOX);
+    let (ctl_tx, ctl_rx) = mpsc::channel(4);
+    let sender = Sender {
+        client: HyperClient::new(s.timeout),
+        headers: s.headers.clone(),
+        traces,
+        metrics: metrics_url,
+        failed: metrics::counter!(TOLLGATE_OTEL_DROPPED_SPANS_TOTAL, "reason" => "export_failed"),
+        failing: false,
+    };
+    rt.spawn(sender.run(out_rx));
+    let worker = Worker {
+        queue: queue.clone(),
+        out: out_tx,
+        batch: s.batch,
+        delay: s.schedule_delay,
+        metric_interval: s.metric_interval,
+        fixed,
+        spans: Vec::with_capacity(64 * 1024),
+        in_batch: 0,
+        aggregates: Aggregates::new(now_ns()),
+        full: queue.full.clone(),
+    };
+    rt.spawn(worker.run(ctl_rx));
+    Ok((queue, Control(ctl_tx)))
+}
+
+struct Worker {
+    queue: Arc<SpanQueue>,
+    out: mpsc::Sender<Out>,
+    batch: usize,
+    delay: Duration,
+    metric_interval: Duration,
+    fixed: Fixed,
+    /// Encoded `Span` fields of the batch being built.
+    spans: Vec<u8>,
+    in_batch: u64,
+    aggregates: Aggregates,
     full: metrics::Counter,
 }
 
-impl SpanProcessor for Queue {
-    fn on_start(&self, _span: &mut Span, _cx: &Context) {}
+impl Worker {
+    async fn run(mut self, mut ctl: mpsc::Receiver<oneshot::Sender<()>>) {
+        let mut due = tokio::time::Instant::now() + self.delay;
+        let mut metrics_due = tokio::time::Instant::now() + self.metric_interval;
+        let queue = self.queue.clone();
+        loop {
+            tokio::select! {
+                biased;
+                done = ctl.recv() => {
+                    let Some(done) = done else {
+                        // The exporter was replaced or shut down: send what is left.
+                        self.drain(true).await;
+                        self.metrics(true).await;
+                        return;
+                    };
+                    self.drain(true).await;
+                    self.metrics(true).await;
+                    let _ = self.out.send(Out::Ack(done)).await;
+                }
+                _ = queue.ready.notified() => self.drain(false).await,
+                _ = tokio::time::sleep_until(due) => {
+                    self.drain(false).await;
+                    self.hand_off(false).await;
+                    due = tokio::time::Instant::now() + self.delay;
+                }
+                _ = tokio::time::sleep_until(metrics_due) => {
+                    self.drain(false).await;
+                    self.metrics(false).await;
+                    metrics_due = tokio::time::Instant::now() + self.metric_interval;
+                }
+            }
+        }
+    }
 
-    fn on_end(&self, span: SpanData) {
-        if !span.span_context.is_sampled() {
+    /// Takes everything queued: metrics for all, spans for the sampled, batches handed off as
+    /// they fill (`wait`: for room in the outbox, as a flush does, instead of dropping).
+    async fn drain(&mut self, wait: bool) {
+        while let Some(f) = self.queue.q.pop() {
+            self.aggregates.observe(&f);
+            if f.ids.sampled {
+                encode_spans(&mut Writer(&mut self.spans), &f);
+                self.in_batch += spans_of(&f);
+            }
+            if self.in_batch >= self.batch as u64 {
+                self.hand_off(wait).await;
+            }
+        }
+        if wait {
+            self.hand_off(true).await;
+        }
+    }
+
+    /// Wraps the batch's spans in their request and gives it to the sender.
+    async fn hand_off(&mut self, wait: bool) {
+        if self.in_batch == 0 {
             return;
         }
-        if self.tx.try_send(span).is_err() {
-            self.full.increment(1);
+        let mut buf = Vec::with_capacity(self.spans.len() + self.fixed.resource.len() + 64);
+        let mut w = Writer(&mut buf);
+        // ExportTraceServiceRequest.resource_spans = 1: { resource 1, scope_spans 2: { scope 1,
+        // spans 2 } }
+        w.message(1, |w| {
+            w.bytes(1, &self.fixed.resource);
+            w.message(2, |w| {
+                w.bytes(1, &self.fixed.scope);
+                w.0.extend_from_slice(&self.spans);
+            });
+        });
+        self.spans.clear();
+        let n = std::mem::take(&mut self.in_batch);
+        self.send(Out::Spans(Bytes::from(buf), n), wait).await;
+    }
+
+    async fn metrics(&mut self, wait: bool) {
+        let body = self
+            .aggregates
+            .encode(&self.fixed.resource, &self.fixed.scope, now_ns());
+        // Cumulative: an export skipped while the outbox is full is made good by the next.
+        self.send(Out::Metrics(Bytes::from(body)), wait).await;
+    }
+
+    async fn send(&mut self, o: Out, wait: bool) {
+        if wait {
+            let _ = self.out.send(o).await;
+            return;
+        }
+        if let Err(mpsc::error::TrySendError::Full(Out::Spans(_, n))) = self.out.try_send(o) {
+            self.full.increment(n);
         }
     }
-
-    fn force_flush(&self) -> OTelSdkResult {
-        Ok(())
-    }
-
-    fn shutdown_with_timeout(&self, _timeout: Duration) -> OTelSdkResult {
-        Ok(())
-    }
 }
 
-/// Starts the span queue's task on the current runtime.
-pub(super) fn start(
-    s: &Settings,
+struct Sender {
     client: HyperClient,
-    resource: &Resource,
-) -> Result<(Queue, Control), String> {
-    let mut exporter = opentelemetry_otlp::SpanExporter::builder()
-        .with_http()
-        .with_http_client(client)
-        .with_protocol(Protocol::HttpBinary)
-        .with_endpoint(s.traces_endpoint.clone())
-        .with_timeout(s.timeout)
-        .with_retry_policy(opentelemetry_otlp::RetryPolicy::disabled())
-        .build()
-        .map_err(|e| format!("OTLP span exporter: {e}"))?;
-    exporter.set_resource(resource);
-    let (tx, rx) = mpsc::channel(s.queue);
-    let (ctl_tx, ctl_rx) = mpsc::channel(4);
-    let failed = metrics::counter!(TOLLGATE_OTEL_DROPPED_SPANS_TOTAL, "reason" => "export_failed");
-    let full = metrics::counter!(TOLLGATE_OTEL_DROPPED_SPANS_TOTAL, "reason" => "queue_full");
-    let worker = Worker {
-        exporter,
-        batch: s.batch,
-        delay: s.schedule_delay,
-        timeout: s.timeout,
-        failed,
-        failing: false,
-    };
-    tokio::runtime::Handle::try_current()
-        .map_err(|_| "no Tokio runtime to export from".to_string())?
-        .spawn(worker.run(rx, ctl_rx));
-    Ok((Queue { tx, full }, Control(ctl_tx)))
-}
-
-struct Worker<E> {
-    exporter: E,
-    batch: usize,
-    delay: Duration,
-    timeout: Duration,
+    headers: Vec<(http::HeaderName, http::HeaderValue)>,
+    traces: Uri,
+    metrics: Uri,
     failed: metrics::Counter,
     /// The last export failed (log the change only, not every failure).
     failing: bool,
 }
 
-impl<E: SpanExporter> Worker<E> {
-    async fn run(
-        mut self,
-        mut rx: mpsc::Receiver<SpanData>,
-        mut ctl: mpsc::Receiver<oneshot::Sender<()>>,
-    ) {
-        let mut buf = Vec::with_capacity(self.batch);
-        let mut due = tokio::time::Instant::now() + self.delay;
-        loop {
-            tokio::select! {
-                biased;
-                done = ctl.recv() => {
-                    let Some(done) = done else { return };
-                    while let Ok(s) = rx.try_recv() {
-                        buf.push(s);
-                        if buf.len() >= self.batch {
-                            self.export(&mut buf).await;
-                        }
-                    }
-                    self.export(&mut buf).await;
+impl Sender {
+    async fn run(mut self, mut rx: mpsc::Receiver<Out>) {
+        while let Some(o) = rx.recv().await {
+            match o {
+                Out::Ack(done) => {
                     let _ = done.send(());
                 }
-                n = rx.recv_many(&mut buf, self.batch), if buf.len() < self.batch => {
-                    if n == 0 {
-                        self.export(&mut buf).await;
-                        return;
+                Out::Spans(body, n) => {
+                    let r = self.client.post(&self.traces, &self.headers, body).await;
+                    if r.is_err() {
+                        self.failed.increment(n);
                     }
-                    if buf.len() >= self.batch {
-                        self.export(&mut buf).await;
-                        due = tokio::time::Instant::now() + self.delay;
-                    }
+                    self.note(r, "span");
                 }
-                _ = tokio::time::sleep_until(due) => {
-                    self.export(&mut buf).await;
-                    due = tokio::time::Instant::now() + self.delay;
+                Out::Metrics(body) => {
+                    let r = self.client.post(&self.metrics, &self.headers, body).await;
+                    self.note(r, "metric");
                 }
             }
         }
     }
 
-    async fn export(&mut self, buf: &mut Vec<SpanData>) {
-        if buf.is_empty() {
-            return;
-        }
-        let n = buf.len() as u64;
-        let batch = std::mem::replace(buf, Vec::with_capacity(self.batch));
-        let ok = matches!(
-            tokio::time::timeout(self.timeout, self.exporter.export(batch)).await,
-            Ok(Ok(()))
-        );
-        if !ok {
-            self.failed.increment(n);
-            if !self.failing {
+    fn note(&mut self, r: Result<(), String>, what: &str) {
+        match r {
+            Err(e) if !self.failing => {
+                self.failing = true;
                 tracing::warn!(
-                    spans = n,
-                    "opentelemetry: span export failed; dropping spans until the collector answers"
+                    error = %e,
+                    "opentelemetry: {what} export failed; dropping spans until the collector answers"
                 );
             }
-        } else if self.failing {
-            tracing::info!("opentelemetry: span export works again");
+            Ok(()) if self.failing => {
+                self.failing = false;
+                tracing::info!("opentelemetry: export works again");
+            }
+            _ => {}
         }
-        self.failing = !ok;
     }
 }
 
-/// The meter provider with a periodic OTLP reader on the current runtime.
-pub(super) fn meters(
-    s: &Settings,
-    client: HyperClient,
-    resource: Resource,
-) -> Result<SdkMeterProvider, String> {
-    let exporter = opentelemetry_otlp::MetricExporter::builder()
-        .with_http()
-        .with_http_client(client)
-        .with_protocol(Protocol::HttpBinary)
-        .with_endpoint(s.metrics_endpoint.clone())
-        .with_timeout(s.timeout)
-        .with_retry_policy(opentelemetry_otlp::RetryPolicy::disabled())
-        .build()
-        .map_err(|e| format!("OTLP metric exporter: {e}"))?;
-    let reader = PeriodicReader::builder(exporter, opentelemetry_sdk::runtime::Tokio)
-        .with_interval(s.metric_interval)
-        .with_timeout(s.timeout)
-        .build();
-    Ok(SdkMeterProvider::builder()
-        .with_resource(resource)
-        .with_reader(reader)
-        .build())
+/// `server.address` and `server.port` of a base URL (`scheme://host[:port]/…`).
+fn host_port(url: &str) -> Option<(&str, u16)> {
+    let (default, rest) = if let Some(r) = url.strip_prefix("https://") {
+        (443, r)
+    } else if let Some(r) = url.strip_prefix("http://") {
+        (80, r)
+    } else {
+        return None;
+    };
+    let auth = rest.split(['/', '?', '#']).next()?;
+    let auth = auth.rsplit('@').next()?;
+    if let Some(v6) = auth.strip_prefix('[') {
+        let (h, after) = v6.split_once(']')?;
+        let port = match after.strip_prefix(':') {
+            Some(p) => p.parse().ok()?,
+            None => default,
+        };
+        return Some((h, port));
+    }
+    match auth.rsplit_once(':') {
+        Some((h, p)) => Some((h, p.parse().ok()?)),
+        None => Some((auth, default)),
+    }
+}
+
+/// A span's fields, shared by both kinds: ids (1, 2), `trace_state` 3, parent 4, name 5,
+/// kind 6, times 7 and 8, and `flags` 16 (the W3C flags, and whether the parent is remote).
+#[allow(clippy::too_many_arguments)]
+fn head(
+    w: &mut Writer<'_>,
+    f: &Finished,
+    span_id: &[u8; 8],
+    parent: Option<&[u8; 8]>,
+    remote_parent: bool,
+    name: (&str, &str),
+    kind: u64,
+    times: (u64, u64),
+) {
+    w.bytes(1, &f.ids.trace_id);
+    w.bytes(2, span_id);
+    if let Some(ts) = &f.ids.tracestate {
+        w.bytes(3, ts.as_bytes());
+    }
+    if let Some(p) = parent {
+        w.bytes(4, p);
+    }
+    // name = "{a} {b}" (or "{a}")
+    let (a, b) = name;
+    if b.is_empty() {
+        w.string(5, a);
+    } else {
+        let mut s = String::with_capacity(a.len() + 1 + b.len());
+        s.push_str(a);
+        s.push(' ');
+        s.push_str(b);
+        w.string(5, &s);
+    }
+    w.uint(6, kind);
+    w.fixed64(7, times.0);
+    w.fixed64(8, times.1);
+    // SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE (0x100) | IS_REMOTE (0x200) | sampled (0x01).
+    let flags = 0x101 | if remote_parent { 0x200 } else { 0 };
+    w.fixed32(16, flags);
+}
+
+/// `Status { message 2, code 3 }`, code 2 = ERROR.
+fn error_status(w: &mut Writer<'_>, message: &str) {
+    w.message(15, |w| {
+        w.string(2, message);
+        w.uint(3, 2);
+    });
+}
+
+/// Attribute field of `Span`.
+const A: u32 = 9;
+
+/// Counts are u64 in the record; OTLP integers are i64.
+fn sat(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// The answer's GenAI attributes (response model, usage, cache, finish reasons).
+fn answer_attrs(w: &mut Writer<'_>, f: &Finished) {
+    let d = &f.decision;
+    if let Some(m) = f.notes.model.as_deref().or(d.upstream_model.as_deref()) {
+        w.attr_str(A, "gen_ai.response.model", m);
+    }
+    if let Some((i, o)) = d.usage {
+        w.attr_int(A, "gen_ai.usage.input_tokens", sat(i));
+        w.attr_int(A, "gen_ai.usage.output_tokens", sat(o));
+    }
+    if let Some(c) = f.notes.cached {
+        w.attr_int(A, "gen_ai.usage.cache_read.input_tokens", sat(c));
+    }
+    if d.cache_write_tokens > 0 {
+        w.attr_int(
+            A,
+            "gen_ai.usage.cache_creation.input_tokens",
+            sat(d.cache_write_tokens),
+        );
+    }
+    if !f.notes.finish.is_empty() {
+        w.attr_strs(
+            A,
+            "gen_ai.response.finish_reasons",
+            f.notes.finish.iter().map(String::as_str),
+        );
+    }
+}
+
+/// Encodes a finished request's spans (`ScopeSpans.spans = 2`): the server span, then one
+/// client span per attempt.
+pub(crate) fn encode_spans(w: &mut Writer<'_>, f: &Finished) {
+    let d = &f.decision;
+    let mut status = itoa::Buffer::new();
+    w.message(2, |w| {
+        head(
+            w,
+            f,
+            &f.span_id,
+            f.parent.as_ref(),
+            f.parent.is_some(),
+            (f.op, &d.route),
+            2, // SERVER
+            (f.start_ns, f.end_ns),
+        );
+        w.attr_str(A, "gen_ai.operation.name", f.op);
+        w.attr_str(A, "http.request.method", "POST");
+        w.attr_str(A, "url.path", f.path);
+        if !d.route.is_empty() {
+            w.attr_str(A, "gen_ai.request.model", &d.route);
+        }
+        if let Some(a) = f.served.and_then(|i| f.attempts.get(i)) {
+            w.attr_str(A, "gen_ai.provider.name", a.provider);
+        }
+        if d.requested_output_tokens > 0 {
+            w.attr_int(
+                A,
+                "gen_ai.request.max_tokens",
+                sat(d.requested_output_tokens),
+            );
+        }
+        if f.served.is_some() {
+            answer_attrs(w, f);
+        }
+        for (k, v) in STATE_KEYS.iter().zip(d.states) {
+            w.attr_str(A, k, v);
+        }
+        w.attr_str(A, "tollgate.consumer", &d.consumer);
+        if let Some(t) = &d.team {
+            w.attr_str(A, "tollgate.team", t);
+        }
+        w.attr_str(A, "tollgate.route", &d.route);
+        w.attr_str(A, "tollgate.policy_version", &d.policy_version);
+        w.attr_str(A, "tollgate.backend", &d.backend);
+        w.attr_str(A, "tollgate.request_id", &d.request_id);
+        w.attr_str(A, "tollgate.job_id", &d.job_id);
+        w.attr_int(A, "tollgate.attempts", d.attempts as i64);
+        w.attr_double(A, "tollgate.cost_usd", d.cost_usd);
+        w.attr_int(A, "http.response.status_code", i64::from(d.http_status));
+        if d.http_status >= 400 {
+            w.attr_str(A, "error.type", d.reason());
+        }
+        if d.http_status >= 500 {
+            error_status(w, d.reason());
+        }
+    });
+    for (i, a) in f.attempts.iter().enumerate() {
+        let served = f.served == Some(i);
+        w.message(2, |w| {
+            head(
+                w,
+                f,
+                &a.span_id,
+                Some(&f.span_id),
+                false,
+                (f.op, &a.model),
+                3, // CLIENT
+                (a.start_ns, a.end_ns),
+            );
+            w.attr_str(A, "gen_ai.operation.name", f.op);
+            w.attr_str(A, "gen_ai.provider.name", a.provider);
+            w.attr_str(A, "gen_ai.request.model", &a.model);
+            w.attr_int(A, "gen_ai.request.max_tokens", sat(a.max_tokens));
+            w.attr_str(A, "tollgate.backend", &a.backend);
+            w.attr_int(A, "tollgate.attempt", i64::from(a.attempt));
+            w.attr_bool(A, "tollgate.probe", a.probe);
+            if let Some((h, p)) = host_port(&a.base_url) {
+                w.attr_str(A, "server.address", h);
+                w.attr_int(A, "server.port", i64::from(p));
+            }
+            let error: Option<&str> = match a.outcome {
+                Outcome::Served => {
+                    if served {
+                        answer_attrs(w, f);
+                    }
+                    w.attr_int(A, "http.response.status_code", i64::from(d.http_status));
+                    None
+                }
+                Outcome::Failed(class, st) => {
+                    if let Some(st) = st {
+                        w.attr_int(A, "http.response.status_code", i64::from(st));
+                    }
+                    Some(class)
+                }
+                Outcome::Status(st) => {
+                    w.attr_int(A, "http.response.status_code", i64::from(st));
+                    Some(status.format(st))
+                }
+                Outcome::Skipped(why) => {
+                    w.attr_str(A, "tollgate.skipped", why);
+                    Some("skipped")
+                }
+            };
+            if let Some((_, at)) = a.first_chunk {
+                // Span.events = 11: Event { time 1, name 2 }
+                w.message(11, |w| {
+                    w.fixed64(1, at);
+                    w.string(2, "gen_ai.first_chunk");
+                });
+            }
+            if let Some(e) = error {
+                w.attr_str(A, "error.type", e);
+                error_status(w, e);
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::host_port;
+
+    #[test]
+    fn host_and_port_of_base_urls() {
+        assert_eq!(
+            host_port("http://127.0.0.1:8080/v1"),
+            Some(("127.0.0.1", 8080))
+        );
+        assert_eq!(
+            host_port("https://api.openai.com/v1"),
+            Some(("api.openai.com", 443))
+        );
+        assert_eq!(host_port("http://ollama"), Some(("ollama", 80)));
+        assert_eq!(host_port("http://[::1]:11434/api"), Some(("::1", 11434)));
+        assert_eq!(host_port("http://u:p@h:9/x"), Some(("h", 9)));
+        assert_eq!(host_port("ftp://h"), None);
+        assert_eq!(host_port("http://h:notaport/"), None);
+    }
 }

@@ -14,45 +14,37 @@
 //! [`take`] and finishes it when the stream ends.
 
 mod config;
+mod context;
 mod export;
+mod metrics;
 mod notes;
+mod proto;
 mod spans;
 
 pub use config::{settings, Protocol, Settings};
+pub use context::{Root, Sampler};
 pub use spans::{Attempt, RequestTrace};
 
 use crate::estimate::Endpoint;
 use arc_swap::ArcSwapOption;
-use opentelemetry::metrics::{Histogram, MeterProvider as _};
-use opentelemetry::trace::TracerProvider as _;
-use opentelemetry_sdk::metrics::SdkMeterProvider;
-use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider};
 use std::cell::RefCell;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// The installed exporter: tracer, meters and the span queue's control.
+/// The installed exporter: the sampler, the finished-request queue and the export task's
+/// control.
 pub struct Otel {
-    tracer: SdkTracer,
-    tracer_provider: SdkTracerProvider,
-    meter_provider: SdkMeterProvider,
-    queue: export::Control,
-    pub(crate) instruments: Instruments,
+    sampler: Sampler,
+    queue: Arc<export::SpanQueue>,
+    control: export::Control,
 }
 
 impl std::fmt::Debug for Otel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Otel").finish_non_exhaustive()
     }
-}
-
-/// The GenAI client metrics (semconv names and recommended buckets).
-pub(crate) struct Instruments {
-    pub tokens: Histogram<u64>,
-    pub duration: Histogram<f64>,
-    pub first_chunk: Histogram<f64>,
 }
 
 static ON: AtomicBool = AtomicBool::new(false);
@@ -76,8 +68,9 @@ pub fn get() -> Option<Arc<Otel>> {
     OTEL.load_full()
 }
 
-/// Builds the exporter from `s` and installs it process-wide (replacing any before it).
-/// Must run inside a Tokio runtime: the span queue and the metric reader are tasks on it.
+/// Builds the exporter from `s` and installs it process-wide (replacing any before it, which
+/// sends what it holds and stops once its last request has ended).
+/// Must run inside a Tokio runtime: the export and sender tasks run on it.
 pub fn install(s: &Settings) -> Result<(), String> {
     // The drop counters live in the Prometheus recorder: install it first.
     let _ = crate::telemetry::global();
@@ -106,87 +99,38 @@ pub fn init(policy: &crate::policy::Policy) {
     }
 }
 
-/// Sends what is queued (spans, then metrics), waiting at most `within`.
+/// Sends what is queued (spans and the metrics so far), waiting at most `within`.
 pub async fn flush(within: Duration) {
     let Some(o) = OTEL.load_full() else { return };
-    flush_one(&o, within).await;
-}
-
-async fn flush_one(o: &Otel, within: Duration) {
-    let _ = tokio::time::timeout(within, o.queue.flush()).await;
-    let mp = o.meter_provider.clone();
-    // The SDK's flush blocks on the reader task: off the runtime's threads.
-    let job = tokio::task::spawn_blocking(move || mp.force_flush());
-    if let Ok(Ok(Err(e))) = tokio::time::timeout(within, job).await {
-        tracing::debug!(error = %e, "opentelemetry: metric flush failed");
-    }
+    let _ = tokio::time::timeout(within, o.control.flush()).await;
 }
 
 /// Turns export off, flushing what is queued (bounded by `within`). For `serve`'s shutdown.
 pub async fn shutdown(within: Duration) {
     ON.store(false, Ordering::Release);
     let Some(o) = OTEL.swap(None) else { return };
-    flush_one(&o, within).await;
-    let (tp, mp) = (o.tracer_provider.clone(), o.meter_provider.clone());
-    let job = tokio::task::spawn_blocking(move || {
-        let _ = tp.shutdown();
-        let _ = mp.shutdown();
-    });
-    let _ = tokio::time::timeout(within, job).await;
+    let _ = tokio::time::timeout(within, o.control.flush()).await;
 }
 
 fn build(s: &Settings) -> Result<Otel, String> {
-    let resource = s.resource();
-    let client = export::HyperClient::new(s.timeout);
-    let (processor, queue) = export::start(s, client.clone(), &resource)?;
-    let mut tp = SdkTracerProvider::builder()
-        .with_resource(resource.clone())
-        .with_span_processor(processor);
-    if let Some(sampler) = s.sampler() {
-        tp = tp.with_sampler(sampler);
+    let mut resource = Vec::new();
+    let mut w = proto::Writer(&mut resource);
+    for (k, v) in s.resource() {
+        // Resource.attributes = 1
+        w.attr_str(1, &k, &v);
     }
-    let tracer_provider = tp.build();
-    let tracer = tracer_provider.tracer("tollgate");
-    let meter_provider = export::meters(s, client, resource)?;
-    let meter = meter_provider.meter("tollgate");
-    let instruments = Instruments {
-        tokens: meter
-            .u64_histogram("gen_ai.client.token.usage")
-            .with_unit("{token}")
-            .with_description("Number of input and output tokens used")
-            .with_boundaries(vec![
-                1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0,
-                4194304.0, 16777216.0, 67108864.0,
-            ])
-            .build(),
-        duration: meter
-            .f64_histogram("gen_ai.client.operation.duration")
-            .with_unit("s")
-            .with_description("GenAI operation duration (one upstream attempt)")
-            .with_boundaries(DURATION_BOUNDS.to_vec())
-            .build(),
-        first_chunk: meter
-            .f64_histogram("gen_ai.client.operation.time_to_first_chunk")
-            .with_unit("s")
-            .with_description(
-                "Time to the first chunk of a streamed answer, from the attempt's start",
-            )
-            .with_boundaries(DURATION_BOUNDS.to_vec())
-            .build(),
-    };
+    let mut scope = Vec::new();
+    let mut w = proto::Writer(&mut scope);
+    // InstrumentationScope { name 1, version 2 }
+    w.string(1, "tollgate");
+    w.string(2, env!("CARGO_PKG_VERSION"));
+    let (queue, control) = export::start(s, export::Fixed { resource, scope })?;
     Ok(Otel {
-        tracer,
-        tracer_provider,
-        meter_provider,
+        sampler: s.sampler,
         queue,
-        instruments,
+        control,
     })
 }
-
-/// The semconv's recommended boundaries for GenAI durations, seconds.
-const DURATION_BOUNDS: [f64; 14] = [
-    0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
-];
 
 impl Otel {
     /// Starts a governed request's server span, continuing the caller's
@@ -220,8 +164,7 @@ fn with<R>(f: impl FnOnce(&mut RequestTrace) -> R) -> Option<R> {
 
 /// Starts the span of one upstream attempt under the request's span (`None` outside a scope).
 pub fn attempt(spec: &crate::governor::CallSpec<'_>) -> Option<Attempt> {
-    let o = get()?;
-    with(|t| t.attempt(&o, spec))
+    with(|t| t.attempt(spec))
 }
 
 /// Reads what a buffered answer says of itself (response model, finish reasons, cached

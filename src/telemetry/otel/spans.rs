@@ -1,47 +1,84 @@
-//! The spans of one governed request and the metrics recorded when they end.
+//! The spans of one governed request, kept as compact records on the request path and turned
+//! into OTLP only by the export task ([`super::export`]).
 //!
-//! Server span (`SERVER`, `{operation} {model}`): from the handler's start to the end of the
+//! Server span (`SERVER`, `{operation} {route}`): from the handler's start to the end of the
 //! answer (a stream's last byte), with the decision record's fields. Client spans (`CLIENT`),
 //! one per upstream attempt: a failed or skipped attempt ends when it fails; the served one
 //! ends with the request, carrying the usage, the response model and the finish reasons.
+//!
+//! What the request path does per request: parse the caller's `traceparent`, make ids, read
+//! two clocks per span, write one `traceparent` per attempt, note what the answer says of
+//! itself, and queue one [`Finished`] record (a lock-free push, no wake-up). Attributes,
+//! names, protobuf and metric aggregation all happen in the export task.
 
+use super::context::{self, Parent};
 use super::notes::Notes;
 use super::{with, Otel};
 use crate::audit::Entry;
 use crate::governor::{CallResult, CallSpec, Record, UsageEvidence};
-use opentelemetry::propagation::TextMapPropagator;
-use opentelemetry::trace::{Span as _, SpanKind, Status, TraceContextExt, Tracer as _};
-use opentelemetry::{Array, Context, KeyValue, StringValue, Value};
-use opentelemetry_http::{HeaderExtractor, HeaderInjector};
-use opentelemetry_sdk::propagation::TraceContextPropagator;
-use opentelemetry_sdk::trace::Span;
+use crate::policy::BackendKind;
+use http::HeaderValue;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-/// One governed request's trace: its server span (in the context) and the served attempt.
+/// Wall-clock now, ns since the Unix epoch (OTLP's timestamps).
+pub(super) fn now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+/// What every span of one trace shares.
+#[derive(Debug, Clone)]
+pub(crate) struct TraceIds {
+    pub trace_id: [u8; 16],
+    pub sampled: bool,
+    /// The caller's `tracestate`, passed on as it came.
+    pub tracestate: Option<HeaderValue>,
+}
+
+/// One governed request's trace: its server span and its attempts so far.
 pub struct RequestTrace {
-    cx: Context,
-    op: &'static str,
+    pub(super) ids: TraceIds,
+    pub(super) span_id: [u8; 8],
+    /// The caller's span (a remote parent), when it sent a `traceparent`.
+    pub(super) parent: Option<[u8; 8]>,
+    pub(super) start_ns: u64,
+    pub(super) op: &'static str,
+    pub(super) path: &'static str,
     pub(super) notes: Notes,
+    /// Attempts in order; the served one stays open until the request ends.
+    pub(super) attempts: Vec<AttemptDone>,
     served: Option<Attempt>,
-    metrics: Arc<Otel>,
+    otel: Arc<Otel>,
 }
 
 impl std::fmt::Debug for RequestTrace {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RequestTrace")
             .field("op", &self.op)
-            .finish()
+            .finish_non_exhaustive()
     }
 }
 
-/// One upstream attempt's client span.
+/// One upstream attempt's client span, open.
 pub struct Attempt {
-    span: Span,
+    ids: TraceIds,
+    span_id: [u8; 8],
+    start_ns: u64,
     started: Instant,
-    /// The metric attributes: operation, provider, request (upstream) model.
-    attrs: [KeyValue; 3],
-    first_chunk: bool,
+    backend: Arc<str>,
+    kind: BackendKind,
+    /// The chain entry's upstream model.
+    model: Box<str>,
+    /// The backend's base URL (its host and port become `server.*` in the export task).
+    base_url: Box<str>,
+    max_tokens: u64,
+    attempt: u32,
+    probe: bool,
+    /// Time to the first chunk of a streamed answer: (seconds after the start, wall ns).
+    first_chunk: Option<(f64, u64)>,
 }
 
 impl std::fmt::Debug for Attempt {
@@ -50,16 +87,131 @@ impl std::fmt::Debug for Attempt {
     }
 }
 
-/// The semconv `gen_ai.provider.name` of a backend kind.
-fn provider_name(kind: crate::policy::BackendKind) -> &'static str {
-    match kind.as_str() {
-        "gemini" => "gcp.gemini",
-        other => other,
+/// How an attempt ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// Served; `status` is the answer's.
+    Served,
+    /// A failure class (`429`, `5xx`, `timeout`, …), with the status when there was one.
+    Failed(&'static str, Option<u16>),
+    /// A client error passed through (never retried).
+    Status(u16),
+    /// No call was made (`saturated`, `untranslatable`).
+    Skipped(&'static str),
+}
+
+/// An ended attempt, as the export task reads it.
+#[derive(Debug)]
+pub(crate) struct AttemptDone {
+    pub span_id: [u8; 8],
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub duration_s: f64,
+    pub backend: Arc<str>,
+    pub provider: &'static str,
+    pub model: Box<str>,
+    pub base_url: Box<str>,
+    pub max_tokens: u64,
+    pub attempt: u32,
+    pub probe: bool,
+    pub first_chunk: Option<(f64, u64)>,
+    pub outcome: Outcome,
+}
+
+/// The decision record's fields the export needs (copies of small values and `Arc` clones,
+/// not the whole record).
+#[derive(Debug)]
+pub(crate) struct Decision {
+    pub states: [&'static str; 8],
+    pub http_status: u16,
+    pub route: Arc<str>,
+    pub consumer: Arc<str>,
+    pub team: Option<Arc<str>>,
+    pub policy_version: Arc<str>,
+    pub backend: Arc<str>,
+    pub request_id: Arc<str>,
+    pub job_id: Arc<str>,
+    pub upstream_model: Option<Arc<str>>,
+    pub requested_output_tokens: u64,
+    /// Settled usage, when there is any evidence of it.
+    pub usage: Option<(u64, u64)>,
+    pub cache_write_tokens: u64,
+    pub cost_usd: f64,
+    pub attempts: usize,
+}
+
+impl Decision {
+    fn of(rec: &Record) -> Decision {
+        Decision {
+            states: [
+                rec.final_action.as_str(),
+                rec.reason_class.as_str(),
+                rec.budget_state.as_str(),
+                rec.quota_state.as_str(),
+                rec.circuit_state.as_str(),
+                rec.retry_state.as_str(),
+                rec.usage_evidence_state.as_str(),
+                rec.fallback_state.as_str(),
+            ],
+            http_status: rec.http_status,
+            route: rec.route.clone(),
+            consumer: rec.consumer_id.clone(),
+            team: rec.team.clone(),
+            policy_version: rec.policy_version.clone(),
+            backend: rec.backend.clone(),
+            request_id: rec.request_id.clone(),
+            job_id: rec.job_id.clone(),
+            upstream_model: rec.upstream_model.clone(),
+            requested_output_tokens: rec.requested_output_tokens,
+            usage: (rec.usage_evidence_state != UsageEvidence::None)
+                .then_some((rec.actual_input_tokens, rec.actual_output_tokens)),
+            cache_write_tokens: rec.actual_cache_write_tokens,
+            cost_usd: rec.cost_usd,
+            attempts: rec.attempts.len(),
+        }
+    }
+
+    /// `tollgate.reason_class`.
+    pub fn reason(&self) -> &'static str {
+        self.states[1]
     }
 }
 
-fn text(s: &Arc<str>) -> Value {
-    Value::String(StringValue::from(s.clone()))
+/// The names of [`Decision::states`], in order.
+pub(crate) const STATE_KEYS: [&str; 8] = [
+    "tollgate.final_action",
+    "tollgate.reason_class",
+    "tollgate.budget_state",
+    "tollgate.quota_state",
+    "tollgate.circuit_state",
+    "tollgate.retry_state",
+    "tollgate.usage_evidence_state",
+    "tollgate.fallback_state",
+];
+
+/// A finished request, queued for the export task.
+#[derive(Debug)]
+pub(crate) struct Finished {
+    pub ids: TraceIds,
+    pub span_id: [u8; 8],
+    pub parent: Option<[u8; 8]>,
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub op: &'static str,
+    pub path: &'static str,
+    pub notes: Notes,
+    pub attempts: Vec<AttemptDone>,
+    /// Index in `attempts` of the served one.
+    pub served: Option<usize>,
+    pub decision: Decision,
+}
+
+/// The semconv `gen_ai.provider.name` of a backend kind.
+pub(crate) fn provider_name(kind: BackendKind) -> &'static str {
+    match kind {
+        BackendKind::Gemini => "gcp.gemini",
+        other => other.as_str(),
+    }
 }
 
 impl RequestTrace {
@@ -69,200 +221,84 @@ impl RequestTrace {
         path: &'static str,
         op: &'static str,
     ) -> Self {
-        let parent = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
-        let span = o
-            .tracer
-            .span_builder(op)
-            .with_kind(SpanKind::Server)
-            .with_attributes([
-                KeyValue::new("gen_ai.operation.name", op),
-                KeyValue::new("http.request.method", "POST"),
-                KeyValue::new("url.path", path),
-            ])
-            .start_with_context(&o.tracer, &parent);
+        let start_ns = now_ns();
+        let caller: Option<Parent> = headers
+            .get(http::header::HeaderName::from_static("traceparent"))
+            .and_then(|v| context::parse_traceparent(v.as_bytes()));
+        let trace_id = caller.map_or_else(context::trace_id, |p| p.trace_id);
+        let sampled = o.sampler.keeps(&trace_id, caller.as_ref());
+        let tracestate = match caller {
+            Some(_) => headers.get("tracestate").cloned(),
+            None => None,
+        };
         RequestTrace {
-            cx: parent.with_span(span),
+            ids: TraceIds {
+                trace_id,
+                sampled,
+                tracestate,
+            },
+            span_id: context::span_id(),
+            parent: caller.map(|p| p.span_id),
+            start_ns,
             op,
+            path,
             notes: Notes::default(),
+            attempts: Vec::new(),
             served: None,
-            metrics: o.clone(),
+            otel: o.clone(),
         }
     }
 
-    pub(super) fn attempt(&mut self, o: &Otel, spec: &CallSpec<'_>) -> Attempt {
-        let op = self.op;
-        let provider = provider_name(spec.backend.kind);
-        let model: Arc<str> = Arc::from(spec.model);
-        let attrs = [
-            KeyValue::new("gen_ai.operation.name", op),
-            KeyValue::new("gen_ai.provider.name", provider),
-            KeyValue::new("gen_ai.request.model", text(&model)),
-        ];
-        let mut all = attrs.to_vec();
-        all.extend([
-            KeyValue::new("gen_ai.request.max_tokens", spec.max_output_tokens as i64),
-            KeyValue::new("tollgate.backend", text(&spec.backend.id)),
-            KeyValue::new("tollgate.attempt", i64::from(spec.attempt)),
-            KeyValue::new("tollgate.probe", spec.probe),
-        ]);
-        if let Ok(u) = spec.backend.base_url.parse::<http::Uri>() {
-            if let Some(h) = u.host() {
-                all.push(KeyValue::new("server.address", h.to_string()));
-            }
-            if let Some(p) = u.port_u16() {
-                all.push(KeyValue::new("server.port", i64::from(p)));
-            }
-        }
-        let span = o
-            .tracer
-            .span_builder(format!("{op} {model}"))
-            .with_kind(SpanKind::Client)
-            .with_attributes(all)
-            .start_with_context(&o.tracer, &self.cx);
+    pub(super) fn attempt(&mut self, spec: &CallSpec<'_>) -> Attempt {
         Attempt {
-            span,
+            ids: self.ids.clone(),
+            span_id: context::span_id(),
+            start_ns: now_ns(),
             started: Instant::now(),
-            attrs,
-            first_chunk: false,
+            backend: spec.backend.id.clone(),
+            kind: spec.backend.kind,
+            model: spec.model.into(),
+            base_url: spec.backend.base_url.as_str().into(),
+            max_tokens: spec.max_output_tokens,
+            attempt: spec.attempt,
+            probe: spec.probe,
+            first_chunk: None,
         }
     }
 
     /// Notes a chunk of a streamed answer: its first arrival, and what it says of itself.
     pub fn chunk(&mut self, data: &[u8]) {
         if let Some(a) = self.served.as_mut() {
-            if !a.first_chunk {
-                a.first_chunk = true;
-                let s = a.started.elapsed().as_secs_f64();
-                self.metrics.instruments.first_chunk.record(s, &a.attrs);
-                a.span.add_event("gen_ai.first_chunk", Vec::new());
+            if a.first_chunk.is_none() {
+                a.first_chunk = Some((a.started.elapsed().as_secs_f64(), now_ns()));
             }
         }
         self.notes.scan(data);
     }
 
-    /// Ends the served attempt (with usage) and the server span (with the decision).
+    /// Ends the served attempt and the server span with the decision, and queues the lot for
+    /// export (dropped and counted when the queue is full).
     pub fn finish(mut self, entry: &Entry) {
-        let rec = &entry.record;
-        let response_model = self
-            .notes
-            .model
-            .clone()
-            .or_else(|| rec.upstream_model.clone());
-        let usage = rec.usage_evidence_state != UsageEvidence::None;
-        let mut gen_ai = Vec::with_capacity(8);
-        if let Some(m) = &response_model {
-            gen_ai.push(KeyValue::new("gen_ai.response.model", text(m)));
+        let end_ns = now_ns();
+        let mut served = None;
+        if let Some(a) = self.served.take() {
+            served = Some(self.attempts.len());
+            self.attempts.push(a.done(end_ns, Outcome::Served));
         }
-        if usage {
-            gen_ai.push(KeyValue::new(
-                "gen_ai.usage.input_tokens",
-                sat(rec.actual_input_tokens),
-            ));
-            gen_ai.push(KeyValue::new(
-                "gen_ai.usage.output_tokens",
-                sat(rec.actual_output_tokens),
-            ));
-        }
-        if let Some(c) = self.notes.cached {
-            gen_ai.push(KeyValue::new(
-                "gen_ai.usage.cache_read.input_tokens",
-                sat(c),
-            ));
-        }
-        if !self.notes.finish.is_empty() {
-            let v: Vec<StringValue> = self.notes.finish.iter().map(|s| s.clone().into()).collect();
-            gen_ai.push(KeyValue::new(
-                "gen_ai.response.finish_reasons",
-                Value::Array(Array::String(v)),
-            ));
-        }
-        let mut provider = None;
-        if let Some(mut a) = self.served.take() {
-            provider = Some(a.attrs[1].clone());
-            a.span.set_attributes(gen_ai.iter().cloned());
-            a.span.set_attribute(KeyValue::new(
-                "http.response.status_code",
-                i64::from(rec.http_status),
-            ));
-            let m = &self.metrics.instruments;
-            let mut attrs = a.attrs.to_vec();
-            if let Some(m) = &response_model {
-                attrs.push(KeyValue::new("gen_ai.response.model", text(m)));
-            }
-            m.duration.record(a.started.elapsed().as_secs_f64(), &attrs);
-            if usage {
-                attrs.push(KeyValue::new("gen_ai.token.type", "input"));
-                m.tokens.record(rec.actual_input_tokens, &attrs);
-                if let Some(last) = attrs.last_mut() {
-                    *last = KeyValue::new("gen_ai.token.type", "output");
-                }
-                m.tokens.record(rec.actual_output_tokens, &attrs);
-            }
-            a.span.end();
-        }
-        // One call (one lock of the span) for every attribute of the server span.
-        let mut all = Vec::with_capacity(gen_ai.len() + 24);
-        if !rec.route.is_empty() {
-            all.push(KeyValue::new("gen_ai.request.model", text(&rec.route)));
-        }
-        all.extend(provider);
-        if rec.requested_output_tokens > 0 {
-            all.push(KeyValue::new(
-                "gen_ai.request.max_tokens",
-                sat(rec.requested_output_tokens),
-            ));
-        }
-        all.extend(gen_ai);
-        decision(rec, &mut all);
-        all.push(KeyValue::new(
-            "http.response.status_code",
-            i64::from(rec.http_status),
-        ));
-        if rec.http_status >= 400 {
-            all.push(KeyValue::new("error.type", rec.reason_class.as_str()));
-        }
-        let cx = self.cx.span();
-        if !rec.route.is_empty() {
-            cx.update_name(format!("{} {}", self.op, rec.route));
-        }
-        cx.set_attributes(all);
-        if rec.http_status >= 500 {
-            cx.set_status(Status::error(rec.reason_class.as_str()));
-        }
-        cx.end();
-    }
-}
-
-/// Counts are u64 in the record; OTel integers are i64.
-fn sat(n: u64) -> i64 {
-    i64::try_from(n).unwrap_or(i64::MAX)
-}
-
-/// The decision record's fields (`tollgate.*`): the eight states and who/what/which policy.
-fn decision(rec: &Record, kv: &mut Vec<KeyValue>) {
-    kv.extend([
-        KeyValue::new("tollgate.final_action", rec.final_action.as_str()),
-        KeyValue::new("tollgate.reason_class", rec.reason_class.as_str()),
-        KeyValue::new("tollgate.budget_state", rec.budget_state.as_str()),
-        KeyValue::new("tollgate.quota_state", rec.quota_state.as_str()),
-        KeyValue::new("tollgate.circuit_state", rec.circuit_state.as_str()),
-        KeyValue::new("tollgate.retry_state", rec.retry_state.as_str()),
-        KeyValue::new(
-            "tollgate.usage_evidence_state",
-            rec.usage_evidence_state.as_str(),
-        ),
-        KeyValue::new("tollgate.fallback_state", rec.fallback_state.as_str()),
-        KeyValue::new("tollgate.consumer", text(&rec.consumer_id)),
-        KeyValue::new("tollgate.route", text(&rec.route)),
-        KeyValue::new("tollgate.policy_version", text(&rec.policy_version)),
-        KeyValue::new("tollgate.backend", text(&rec.backend)),
-        KeyValue::new("tollgate.request_id", text(&rec.request_id)),
-        KeyValue::new("tollgate.job_id", text(&rec.job_id)),
-        KeyValue::new("tollgate.attempts", rec.attempts.len() as i64),
-        KeyValue::new("tollgate.cost_usd", rec.cost_usd),
-    ]);
-    if let Some(team) = &rec.team {
-        kv.push(KeyValue::new("tollgate.team", text(team)));
+        let f = Finished {
+            ids: self.ids,
+            span_id: self.span_id,
+            parent: self.parent,
+            start_ns: self.start_ns,
+            end_ns,
+            op: self.op,
+            path: self.path,
+            notes: self.notes,
+            attempts: self.attempts,
+            served,
+            decision: Decision::of(&entry.record),
+        };
+        self.otel.queue.push(f);
     }
 }
 
@@ -270,48 +306,54 @@ impl Attempt {
     /// Writes this attempt's `traceparent` (and the caller's `tracestate`) on the upstream
     /// request, replacing any the client sent.
     pub fn inject(&self, headers: &mut http::HeaderMap) {
-        let cx = Context::new().with_remote_span_context(self.span.span_context().clone());
-        TraceContextPropagator::new().inject_context(&cx, &mut HeaderInjector(headers));
+        let tp = context::traceparent(&self.ids.trace_id, &self.span_id, self.ids.sampled);
+        if let Ok(v) = HeaderValue::from_bytes(&tp) {
+            headers.insert(http::header::HeaderName::from_static("traceparent"), v);
+        }
+        match &self.ids.tracestate {
+            Some(ts) => {
+                headers.insert(
+                    http::header::HeaderName::from_static("tracestate"),
+                    ts.clone(),
+                );
+            }
+            None => {
+                headers.remove("tracestate");
+            }
+        }
+    }
+
+    fn done(self, end_ns: u64, outcome: Outcome) -> AttemptDone {
+        AttemptDone {
+            span_id: self.span_id,
+            start_ns: self.start_ns,
+            end_ns,
+            duration_s: self.started.elapsed().as_secs_f64(),
+            backend: self.backend,
+            provider: provider_name(self.kind),
+            model: self.model,
+            base_url: self.base_url,
+            max_tokens: self.max_tokens,
+            attempt: self.attempt,
+            probe: self.probe,
+            first_chunk: self.first_chunk,
+            outcome,
+        }
     }
 
     /// Ends the attempt with its result; the served one is kept for the request's end.
-    pub fn end<T>(mut self, r: &CallResult<T>) {
-        let error = match r {
+    pub fn end<T>(self, r: &CallResult<T>) {
+        let outcome = match r {
             CallResult::Served(_) => {
-                // Outside a scope the span just ends (on drop).
+                // Outside a scope there is no request to end with: the span is not exported.
                 let _ = with(move |t| t.served = Some(self));
                 return;
             }
-            CallResult::NotRetryable { status, .. } => {
-                self.span.set_attribute(KeyValue::new(
-                    "http.response.status_code",
-                    i64::from(*status),
-                ));
-                status.to_string()
-            }
-            CallResult::Failed(f) => {
-                if let Some(s) = f.status {
-                    self.span
-                        .set_attribute(KeyValue::new("http.response.status_code", i64::from(s)));
-                }
-                f.class.as_str().to_string()
-            }
-            CallResult::Skipped(s) => {
-                self.span
-                    .set_attribute(KeyValue::new("tollgate.skipped", format!("{s:?}")));
-                "skipped".to_string()
-            }
+            CallResult::NotRetryable { status, .. } => Outcome::Status(*status),
+            CallResult::Failed(f) => Outcome::Failed(f.class.as_str(), f.status),
+            CallResult::Skipped(s) => Outcome::Skipped(s.as_str()),
         };
-        if let Some(o) = super::get() {
-            let mut attrs = self.attrs.to_vec();
-            attrs.push(KeyValue::new("error.type", error.clone()));
-            o.instruments
-                .duration
-                .record(self.started.elapsed().as_secs_f64(), &attrs);
-        }
-        self.span
-            .set_attribute(KeyValue::new("error.type", error.clone()));
-        self.span.set_status(Status::error(error));
-        self.span.end();
+        let done = self.done(now_ns(), outcome);
+        let _ = with(move |t| t.attempts.push(done));
     }
 }

@@ -1,4 +1,5 @@
 use super::config::settings;
+use super::context::{Root, Sampler};
 use super::notes::Notes;
 use crate::policy::OtlpCfg;
 use std::collections::HashMap;
@@ -36,7 +37,8 @@ fn the_environment_wins_over_the_policy() {
     };
     let s = settings(&env(&[]), &p).unwrap().unwrap();
     assert_eq!(s.traces_endpoint, "http://from-policy:4318/v1/traces");
-    assert_eq!((s.queue, s.batch, s.sample_ratio), (10, 10, Some(0.5)));
+    assert_eq!((s.queue, s.batch), (10, 10));
+    assert_eq!(s.sampler, Sampler::ParentBased(Root::Ratio(0.5)));
     let e = env(&[
         ("OTEL_EXPORTER_OTLP_ENDPOINT", "https://c.example:4318/"),
         ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "http://m:9/x"),
@@ -48,8 +50,8 @@ fn the_environment_wins_over_the_policy() {
     let s = settings(&e, &p).unwrap().unwrap();
     assert_eq!(s.traces_endpoint, "https://c.example:4318/v1/traces");
     assert_eq!(s.metrics_endpoint, "http://m:9/x");
-    // The SDK reads OTEL_TRACES_SAMPLER itself: the policy's ratio stands aside.
-    assert_eq!(s.sample_ratio, None);
+    // OTEL_TRACES_SAMPLER wins over the policy's ratio.
+    assert_eq!(s.sampler, Sampler::AlwaysOff);
     assert_eq!(s.schedule_delay, Duration::from_millis(250));
     assert_eq!(s.metric_interval, Duration::from_millis(1500));
     assert_eq!(s.queue, 100);

@@ -1,0 +1,329 @@
+//! The GenAI client metrics, aggregated in the export task from the finished requests (the
+//! request path records nothing itself) and written as cumulative OTLP histograms.
+//!
+//! `gen_ai.client.token.usage` (`{token}`, per `gen_ai.token.type`),
+//! `gen_ai.client.operation.duration` (`s`, one per upstream attempt) and
+//! `gen_ai.client.operation.time_to_first_chunk` (`s`, streams), with the semconv's
+//! recommended bucket boundaries. The response model comes from the upstream's answer, so the
+//! number of series is capped: past [`MAX_SERIES`] new attribute sets are folded into one
+//! series per metric marked `otel.metric.overflow=true`, as the OpenTelemetry spec does.
+
+use super::proto::Writer;
+use super::spans::{Finished, Outcome};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Most attribute sets kept across the three metrics.
+pub(crate) const MAX_SERIES: usize = 2000;
+
+const TOKEN_BOUNDS: [f64; 14] = [
+    1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0, 4194304.0,
+    16777216.0, 67108864.0,
+];
+
+/// The semconv's recommended boundaries for GenAI durations, seconds.
+const DURATION_BOUNDS: [f64; 14] = [
+    0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Metric {
+    Tokens,
+    Duration,
+    FirstChunk,
+}
+
+const METRICS: [(Metric, &str, &str, &str, &[f64; 14]); 3] = [
+    (
+        Metric::Tokens,
+        "gen_ai.client.token.usage",
+        "Number of input and output tokens used",
+        "{token}",
+        &TOKEN_BOUNDS,
+    ),
+    (
+        Metric::Duration,
+        "gen_ai.client.operation.duration",
+        "GenAI operation duration (one upstream attempt)",
+        "s",
+        &DURATION_BOUNDS,
+    ),
+    (
+        Metric::FirstChunk,
+        "gen_ai.client.operation.time_to_first_chunk",
+        "Time to the first chunk of a streamed answer, from the attempt's start",
+        "s",
+        &DURATION_BOUNDS,
+    ),
+];
+
+/// `error.type` of a failed attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum ErrorType {
+    Class(&'static str),
+    Status(u16),
+}
+
+/// One attribute set of one metric.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Series {
+    metric: Metric,
+    op: &'static str,
+    provider: &'static str,
+    model: Arc<str>,
+    response_model: Option<Arc<str>>,
+    error: Option<ErrorType>,
+    token_type: Option<&'static str>,
+}
+
+#[derive(Debug, Clone)]
+struct Hist {
+    buckets: [u64; 15],
+    count: u64,
+    sum: f64,
+    min: f64,
+    max: f64,
+}
+
+impl Hist {
+    fn new() -> Hist {
+        Hist {
+            buckets: [0; 15],
+            count: 0,
+            sum: 0.0,
+            min: f64::INFINITY,
+            max: f64::NEG_INFINITY,
+        }
+    }
+
+    fn record(&mut self, bounds: &[f64; 14], v: f64) {
+        if !v.is_finite() {
+            return;
+        }
+        // OTLP buckets are upper-inclusive: bucket i holds (bounds[i-1], bounds[i]].
+        let i = bounds.partition_point(|b| *b < v);
+        self.buckets[i] += 1;
+        self.count += 1;
+        self.sum += v;
+        self.min = self.min.min(v);
+        self.max = self.max.max(v);
+    }
+}
+
+/// The cumulative aggregates since the exporter started.
+#[derive(Debug)]
+pub(crate) struct Aggregates {
+    start_ns: u64,
+    series: HashMap<Series, Hist, foldhash::fast::RandomState>,
+    overflow: [Option<Hist>; 3],
+}
+
+fn bounds(m: Metric) -> &'static [f64; 14] {
+    match m {
+        Metric::Tokens => &TOKEN_BOUNDS,
+        Metric::Duration | Metric::FirstChunk => &DURATION_BOUNDS,
+    }
+}
+
+impl Aggregates {
+    pub fn new(start_ns: u64) -> Aggregates {
+        Aggregates {
+            start_ns,
+            series: HashMap::default(),
+            overflow: [None, None, None],
+        }
+    }
+
+    fn record(&mut self, s: Series, v: f64) {
+        let b = bounds(s.metric);
+        let m = s.metric as usize;
+        let full = self.series.len() >= MAX_SERIES;
+        match self.series.get_mut(&s) {
+            Some(h) => h.record(b, v),
+            None if full => self.overflow[m].get_or_insert_with(Hist::new).record(b, v),
+            None => {
+                let mut h = Hist::new();
+                h.record(b, v);
+                self.series.insert(s, h);
+            }
+        }
+    }
+
+    /// Adds what one finished request measured (sampled or not: metrics count every request).
+    pub fn observe(&mut self, f: &Finished) {
+        let response_model = f
+            .notes
+            .model
+            .clone()
+            .or_else(|| f.decision.upstream_model.clone());
+        for (i, a) in f.attempts.iter().enumerate() {
+            let served = f.served == Some(i);
+            let error = match a.outcome {
+                Outcome::Served => None,
+                Outcome::Failed(class, _) => Some(ErrorType::Class(class)),
+                Outcome::Status(s) => Some(ErrorType::Status(s)),
+                Outcome::Skipped(_) => Some(ErrorType::Class("skipped")),
+            };
+            let model: Arc<str> = Arc::from(&*a.model);
+            let base = Series {
+                metric: Metric::Duration,
+                op: f.op,
+                provider: a.provider,
+                model,
+                response_model: if served { response_model.clone() } else { None },
+                error,
+                token_type: None,
+            };
+            if let Some((s, _)) = a.first_chunk {
+                let ttfc = Series {
+                    metric: Metric::FirstChunk,
+                    response_model: None,
+                    error: None,
+                    ..base.clone()
+                };
+                self.record(ttfc, s);
+            }
+            if served {
+                if let Some((input, output)) = f.decision.usage {
+                    for (ty, n) in [("input", input), ("output", output)] {
+                        let s = Series {
+                            metric: Metric::Tokens,
+                            token_type: Some(ty),
+                            ..base.clone()
+                        };
+                        self.record(s, n as f64);
+                    }
+                }
+            }
+            self.record(base, a.duration_s);
+        }
+    }
+
+    /// The `ExportMetricsServiceRequest` with every series, cumulative, stamped `now_ns`.
+    pub fn encode(&self, resource: &[u8], scope: &[u8], now_ns: u64) -> Vec<u8> {
+        let mut buf = Vec::with_capacity(256 + self.series.len() * 300);
+        let mut w = Writer(&mut buf);
+        // ExportMetricsServiceRequest.resource_metrics = 1
+        w.message(1, |w| {
+            w.bytes(1, resource); // ResourceMetrics.resource = 1
+            w.message(2, |w| {
+                // ResourceMetrics.scope_metrics = 2
+                w.bytes(1, scope); // ScopeMetrics.scope = 1
+                for (metric, name, description, unit, bounds) in METRICS {
+                    let points: Vec<(Option<&Series>, &Hist)> = self
+                        .series
+                        .iter()
+                        .filter(|(s, _)| s.metric == metric)
+                        .map(|(s, h)| (Some(s), h))
+                        .chain(self.overflow[metric as usize].iter().map(|h| (None, h)))
+                        .collect();
+                    if points.is_empty() {
+                        continue;
+                    }
+                    // ScopeMetrics.metrics = 2: Metric { name 1, description 2, unit 3,
+                    // histogram 9 }
+                    w.message(2, |w| {
+                        w.string(1, name);
+                        w.string(2, description);
+                        w.string(3, unit);
+                        w.message(9, |w| {
+                            for (s, h) in &points {
+                                w.message(1, |w| self.point(w, *s, h, bounds, now_ns));
+                            }
+                            // aggregation_temporality = 2: CUMULATIVE
+                            w.uint(2, 2);
+                        });
+                    });
+                }
+            });
+        });
+        buf
+    }
+
+    /// `HistogramDataPoint { start 2, time 3, count 4, sum 5, bucket_counts 6, bounds 7,
+    /// attributes 9, min 11, max 12 }`.
+    fn point(&self, w: &mut Writer<'_>, s: Option<&Series>, h: &Hist, b: &[f64; 14], now: u64) {
+        match s {
+            Some(s) => {
+                w.attr_str(9, "gen_ai.operation.name", s.op);
+                w.attr_str(9, "gen_ai.provider.name", s.provider);
+                w.attr_str(9, "gen_ai.request.model", &s.model);
+                if let Some(m) = &s.response_model {
+                    w.attr_str(9, "gen_ai.response.model", m);
+                }
+                match s.error {
+                    Some(ErrorType::Class(c)) => w.attr_str(9, "error.type", c),
+                    Some(ErrorType::Status(st)) => {
+                        w.attr_str(9, "error.type", itoa::Buffer::new().format(st))
+                    }
+                    None => {}
+                }
+                if let Some(t) = s.token_type {
+                    w.attr_str(9, "gen_ai.token.type", t);
+                }
+            }
+            None => w.attr_bool(9, "otel.metric.overflow", true),
+        }
+        w.fixed64(2, self.start_ns);
+        w.fixed64(3, now);
+        w.fixed64(4, h.count);
+        w.double(5, h.sum);
+        let mut counts = Vec::with_capacity(h.buckets.len() * 8);
+        for c in h.buckets {
+            counts.extend_from_slice(&c.to_le_bytes());
+        }
+        w.bytes(6, &counts);
+        let mut bounds = Vec::with_capacity(b.len() * 8);
+        for x in b {
+            bounds.extend_from_slice(&x.to_bits().to_le_bytes());
+        }
+        w.bytes(7, &bounds);
+        if h.count > 0 {
+            w.double(11, h.min);
+            w.double(12, h.max);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_are_upper_inclusive() {
+        let mut h = Hist::new();
+        for v in [0.0, 1.0, 1.5, 4.0, 1e9, f64::NAN] {
+            h.record(&TOKEN_BOUNDS, v);
+        }
+        assert_eq!(h.buckets[0], 2, "0 and 1 are in (-inf, 1]");
+        assert_eq!(h.buckets[1], 2, "1.5 and 4 are in (1, 4]");
+        assert_eq!(h.buckets[14], 1, "past the last bound");
+        assert_eq!(h.count, 5, "NaN is not recorded");
+        assert_eq!((h.min, h.max), (0.0, 1e9));
+    }
+
+    #[test]
+    fn series_past_the_cap_fold_into_the_overflow_series() {
+        let mut a = Aggregates::new(1);
+        for i in 0..MAX_SERIES + 10 {
+            let s = Series {
+                metric: Metric::Duration,
+                op: "chat",
+                provider: "openai",
+                model: Arc::from("m"),
+                response_model: Some(Arc::from(format!("hostile-{i}").as_str())),
+                error: None,
+                token_type: None,
+            };
+            a.record(s, 0.5);
+        }
+        assert_eq!(a.series.len(), MAX_SERIES);
+        assert_eq!(
+            a.overflow[Metric::Duration as usize]
+                .as_ref()
+                .unwrap()
+                .count,
+            10
+        );
+    }
+}
