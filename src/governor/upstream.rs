@@ -12,7 +12,7 @@ pub struct CallSpec<'a> {
     pub backend: &'a Backend,
     pub backend_index: usize,
     /// The chain entry's upstream model name.
-    pub model: &'a str,
+    pub model: &'a std::sync::Arc<str>,
     /// The chain entry's `output_cap_field` (OpenAI kind; `None`: by model name).
     pub output_cap_field: Option<crate::policy::OutputCapField>,
     /// The output cap per choice the upstream must enforce (the reserved worst case).

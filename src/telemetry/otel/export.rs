@@ -11,7 +11,7 @@
 
 use super::config::Settings;
 use super::metrics::Aggregates;
-use super::proto::Writer;
+use super::proto::{self, Writer};
 use super::spans::{now_ns, Finished, Outcome, STATE_KEYS};
 use crate::telemetry::names::TOLLGATE_OTEL_DROPPED_SPANS_TOTAL;
 use bytes::Bytes;
@@ -188,8 +188,10 @@ pub(super) fn start(s: &Settings, fixed: Fixed) -> Result<(Arc<SpanQueue>, Contr
         batch: s.batch,
         delay: s.schedule_delay,
         metric_interval: s.metric_interval,
+        prefix: fixed.resource.len() + fixed.scope.len() + 32,
         fixed,
-        spans: Vec::with_capacity(64 * 1024),
+        spans: Vec::new(),
+        last_batch: 0,
         in_batch: 0,
         aggregates: Aggregates::new(now_ns()),
         full: queue.full.clone(),
@@ -205,8 +207,12 @@ struct Worker {
     delay: Duration,
     metric_interval: Duration,
     fixed: Fixed,
-    /// Encoded `Span` fields of the batch being built.
+    /// The batch being built: `prefix` bytes kept free for the request's head (written at
+    /// hand-off, so the spans are never copied or moved), then the encoded `Span` fields.
     spans: Vec<u8>,
+    prefix: usize,
+    /// Bytes of the last batch handed off (the next one is reserved at 5/4 of it).
+    last_batch: usize,
     in_batch: u64,
     aggregates: Aggregates,
     full: metrics::Counter,
@@ -252,7 +258,18 @@ impl Worker {
         while let Some(f) = self.queue.q.pop() {
             self.aggregates.observe(&f);
             if f.ids.sampled {
-                encode_spans(&mut Writer(&mut self.spans), &f);
+                if self.spans.is_empty() {
+                    // Sized like the last batch (the first: ~1 KiB a span): a growing batch is
+                    // copied at each doubling.
+                    let first = self.batch.min(4096) * 1024;
+                    self.spans.reserve(if self.last_batch > 0 {
+                        self.last_batch
+                    } else {
+                        first
+                    });
+                    self.spans.resize(self.prefix, 0);
+                }
+                encode_spans(&mut self.spans, &f);
                 self.in_batch += spans_of(&f);
             }
             if self.in_batch >= self.batch as u64 {
@@ -264,25 +281,34 @@ impl Worker {
         }
     }
 
-    /// Wraps the batch's spans in their request and gives it to the sender.
+    /// Writes the request's head in front of the batch's spans and gives it to the sender.
     async fn hand_off(&mut self, wait: bool) {
         if self.in_batch == 0 {
             return;
         }
-        let mut buf = Vec::with_capacity(self.spans.len() + self.fixed.resource.len() + 64);
-        let mut w = Writer(&mut buf);
         // ExportTraceServiceRequest.resource_spans = 1: { resource 1, scope_spans 2: { scope 1,
         // spans 2 } }
-        w.message(1, |w| {
-            w.bytes(1, &self.fixed.resource);
-            w.message(2, |w| {
-                w.bytes(1, &self.fixed.scope);
-                w.0.extend_from_slice(&self.spans);
-            });
-        });
-        self.spans.clear();
+        let spans_len = self.spans.len() - self.prefix;
+        let (res, scope) = (&self.fixed.resource, &self.fixed.scope);
+        let (res_head, rn) = proto::head(1, res.len());
+        let (scope_head, sn) = proto::head(1, scope.len());
+        let scope_spans = sn + scope.len() + spans_len;
+        let (ss_head, ssn) = proto::head(2, scope_spans);
+        let resource_spans = rn + res.len() + ssn + scope_spans;
+        let (rs_head, rsn) = proto::head(1, resource_spans);
+        let mut head = Vec::with_capacity(self.prefix);
+        head.extend_from_slice(&rs_head[..rsn]);
+        head.extend_from_slice(&res_head[..rn]);
+        head.extend_from_slice(res);
+        head.extend_from_slice(&ss_head[..ssn]);
+        head.extend_from_slice(&scope_head[..sn]);
+        head.extend_from_slice(scope);
+        let start = self.prefix - head.len();
+        self.spans[start..self.prefix].copy_from_slice(&head);
+        self.last_batch = self.spans.len() + self.spans.len() / 4;
+        let body = Bytes::from(std::mem::take(&mut self.spans)).slice(start..);
         let n = std::mem::take(&mut self.in_batch);
-        self.send(Out::Spans(Bytes::from(buf), n), wait).await;
+        self.send(Out::Spans(body, n), wait).await;
     }
 
     async fn metrics(&mut self, wait: bool) {
@@ -405,11 +431,7 @@ fn head(
     if b.is_empty() {
         w.string(5, a);
     } else {
-        let mut s = String::with_capacity(a.len() + 1 + b.len());
-        s.push_str(a);
-        s.push(' ');
-        s.push_str(b);
-        w.string(5, &s);
+        w.string_pair(5, a, b);
     }
     w.uint(6, kind);
     w.fixed64(7, times.0);
@@ -464,12 +486,17 @@ fn answer_attrs(w: &mut Writer<'_>, f: &Finished) {
     }
 }
 
-/// Encodes a finished request's spans (`ScopeSpans.spans = 2`): the server span, then one
-/// client span per attempt.
-pub(crate) fn encode_spans(w: &mut Writer<'_>, f: &Finished) {
+/// Appends one span (`ScopeSpans.spans = 2`) to `out`.
+fn span(out: &mut Vec<u8>, body: impl FnOnce(&mut Writer<'_>)) {
+    Writer(out).message_2(2, body);
+}
+
+/// Appends a finished request's spans (`ScopeSpans.spans = 2`) to `out`: the server span,
+/// then one client span per attempt.
+pub(crate) fn encode_spans(out: &mut Vec<u8>, f: &Finished) {
     let d = &f.decision;
     let mut status = itoa::Buffer::new();
-    w.message(2, |w| {
+    span(out, |w| {
         head(
             w,
             f,
@@ -523,7 +550,7 @@ pub(crate) fn encode_spans(w: &mut Writer<'_>, f: &Finished) {
     });
     for (i, a) in f.attempts.iter().enumerate() {
         let served = f.served == Some(i);
-        w.message(2, |w| {
+        span(out, |w| {
             head(
                 w,
                 f,

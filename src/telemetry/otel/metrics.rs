@@ -26,7 +26,7 @@ const DURATION_BOUNDS: [f64; 14] = [
     0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
 ];
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Metric {
     Tokens,
     Duration,
@@ -64,16 +64,38 @@ enum ErrorType {
     Status(u16),
 }
 
-/// One attribute set of one metric.
+/// One attribute set: an attempt's operation, provider, model, and its response model (the
+/// served attempt) or error type (a failed one). The three metrics share it, so one look-up
+/// per attempt records all of them.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Series {
-    metric: Metric,
     op: &'static str,
     provider: &'static str,
     model: Arc<str>,
     response_model: Option<Arc<str>>,
     error: Option<ErrorType>,
-    token_type: Option<&'static str>,
+}
+
+/// The histograms of one [`Series`]: duration, time to first chunk, input and output tokens.
+#[derive(Debug, Clone, Default)]
+struct Group {
+    hists: [Option<Hist>; 4],
+}
+
+const DURATION: usize = 0;
+const FIRST_CHUNK: usize = 1;
+const INPUT: usize = 2;
+const OUTPUT: usize = 3;
+
+impl Group {
+    fn record(&mut self, which: usize, v: f64) {
+        let b = if which >= INPUT {
+            &TOKEN_BOUNDS
+        } else {
+            &DURATION_BOUNDS
+        };
+        self.hists[which].get_or_insert_with(Hist::new).record(b, v);
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -114,15 +136,8 @@ impl Hist {
 #[derive(Debug)]
 pub(crate) struct Aggregates {
     start_ns: u64,
-    series: HashMap<Series, Hist, foldhash::fast::RandomState>,
-    overflow: [Option<Hist>; 3],
-}
-
-fn bounds(m: Metric) -> &'static [f64; 14] {
-    match m {
-        Metric::Tokens => &TOKEN_BOUNDS,
-        Metric::Duration | Metric::FirstChunk => &DURATION_BOUNDS,
-    }
+    series: HashMap<Series, Group, foldhash::fast::RandomState>,
+    overflow: Group,
 }
 
 impl Aggregates {
@@ -130,32 +145,19 @@ impl Aggregates {
         Aggregates {
             start_ns,
             series: HashMap::default(),
-            overflow: [None, None, None],
+            overflow: Group::default(),
         }
     }
 
-    fn record(&mut self, s: Series, v: f64) {
-        let b = bounds(s.metric);
-        let m = s.metric as usize;
-        let full = self.series.len() >= MAX_SERIES;
-        match self.series.get_mut(&s) {
-            Some(h) => h.record(b, v),
-            None if full => self.overflow[m].get_or_insert_with(Hist::new).record(b, v),
-            None => {
-                let mut h = Hist::new();
-                h.record(b, v);
-                self.series.insert(s, h);
-            }
+    fn group(&mut self, s: Series) -> &mut Group {
+        if self.series.len() >= MAX_SERIES && !self.series.contains_key(&s) {
+            return &mut self.overflow;
         }
+        self.series.entry(s).or_default()
     }
 
     /// Adds what one finished request measured (sampled or not: metrics count every request).
     pub fn observe(&mut self, f: &Finished) {
-        let response_model = f
-            .notes
-            .model
-            .clone()
-            .or_else(|| f.decision.upstream_model.clone());
         for (i, a) in f.attempts.iter().enumerate() {
             let served = f.served == Some(i);
             let error = match a.outcome {
@@ -164,45 +166,44 @@ impl Aggregates {
                 Outcome::Status(s) => Some(ErrorType::Status(s)),
                 Outcome::Skipped(_) => Some(ErrorType::Class("skipped")),
             };
-            let model: Arc<str> = Arc::from(&*a.model);
-            let base = Series {
-                metric: Metric::Duration,
+            let response_model = if served {
+                f.notes
+                    .model
+                    .clone()
+                    .or_else(|| f.decision.upstream_model.clone())
+            } else {
+                None
+            };
+            let g = self.group(Series {
                 op: f.op,
                 provider: a.provider,
-                model,
-                response_model: if served { response_model.clone() } else { None },
+                model: a.model.clone(),
+                response_model,
                 error,
-                token_type: None,
-            };
+            });
+            g.record(DURATION, a.duration_s);
             if let Some((s, _)) = a.first_chunk {
-                let ttfc = Series {
-                    metric: Metric::FirstChunk,
-                    response_model: None,
-                    error: None,
-                    ..base.clone()
-                };
-                self.record(ttfc, s);
+                g.record(FIRST_CHUNK, s);
             }
             if served {
                 if let Some((input, output)) = f.decision.usage {
-                    for (ty, n) in [("input", input), ("output", output)] {
-                        let s = Series {
-                            metric: Metric::Tokens,
-                            token_type: Some(ty),
-                            ..base.clone()
-                        };
-                        self.record(s, n as f64);
-                    }
+                    g.record(INPUT, input as f64);
+                    g.record(OUTPUT, output as f64);
                 }
             }
-            self.record(base, a.duration_s);
         }
     }
 
     /// The `ExportMetricsServiceRequest` with every series, cumulative, stamped `now_ns`.
     pub fn encode(&self, resource: &[u8], scope: &[u8], now_ns: u64) -> Vec<u8> {
-        let mut buf = Vec::with_capacity(256 + self.series.len() * 300);
+        let mut buf = Vec::with_capacity(256 + self.series.len() * 600);
         let mut w = Writer(&mut buf);
+        let groups: Vec<(Option<&Series>, &Group)> = self
+            .series
+            .iter()
+            .map(|(s, g)| (Some(s), g))
+            .chain(std::iter::once((None, &self.overflow)))
+            .collect();
         // ExportMetricsServiceRequest.resource_metrics = 1
         w.message(1, |w| {
             w.bytes(1, resource); // ResourceMetrics.resource = 1
@@ -210,12 +211,18 @@ impl Aggregates {
                 // ResourceMetrics.scope_metrics = 2
                 w.bytes(1, scope); // ScopeMetrics.scope = 1
                 for (metric, name, description, unit, bounds) in METRICS {
-                    let points: Vec<(Option<&Series>, &Hist)> = self
-                        .series
+                    let which: &[(usize, Option<&str>)] = match metric {
+                        Metric::Tokens => &[(INPUT, Some("input")), (OUTPUT, Some("output"))],
+                        Metric::Duration => &[(DURATION, None)],
+                        Metric::FirstChunk => &[(FIRST_CHUNK, None)],
+                    };
+                    let points: Vec<(Option<&Series>, &Hist, Option<&str>)> = groups
                         .iter()
-                        .filter(|(s, _)| s.metric == metric)
-                        .map(|(s, h)| (Some(s), h))
-                        .chain(self.overflow[metric as usize].iter().map(|h| (None, h)))
+                        .flat_map(|(s, g)| {
+                            which.iter().filter_map(move |(k, ty)| {
+                                g.hists[*k].as_ref().map(|h| (*s, h, *ty))
+                            })
+                        })
                         .collect();
                     if points.is_empty() {
                         continue;
@@ -227,8 +234,8 @@ impl Aggregates {
                         w.string(2, description);
                         w.string(3, unit);
                         w.message(9, |w| {
-                            for (s, h) in &points {
-                                w.message(1, |w| self.point(w, *s, h, bounds, now_ns));
+                            for (s, h, ty) in &points {
+                                w.message(1, |w| self.point(w, *s, *ty, h, bounds, now_ns));
                             }
                             // aggregation_temporality = 2: CUMULATIVE
                             w.uint(2, 2);
@@ -242,7 +249,19 @@ impl Aggregates {
 
     /// `HistogramDataPoint { start 2, time 3, count 4, sum 5, bucket_counts 6, bounds 7,
     /// attributes 9, min 11, max 12 }`.
-    fn point(&self, w: &mut Writer<'_>, s: Option<&Series>, h: &Hist, b: &[f64; 14], now: u64) {
+    #[allow(clippy::too_many_arguments)]
+    fn point(
+        &self,
+        w: &mut Writer<'_>,
+        s: Option<&Series>,
+        token_type: Option<&str>,
+        h: &Hist,
+        b: &[f64; 14],
+        now: u64,
+    ) {
+        if let Some(t) = token_type {
+            w.attr_str(9, "gen_ai.token.type", t);
+        }
         match s {
             Some(s) => {
                 w.attr_str(9, "gen_ai.operation.name", s.op);
@@ -257,9 +276,6 @@ impl Aggregates {
                         w.attr_str(9, "error.type", itoa::Buffer::new().format(st))
                     }
                     None => {}
-                }
-                if let Some(t) = s.token_type {
-                    w.attr_str(9, "gen_ai.token.type", t);
                 }
             }
             None => w.attr_bool(9, "otel.metric.overflow", true),
@@ -307,23 +323,18 @@ mod tests {
         let mut a = Aggregates::new(1);
         for i in 0..MAX_SERIES + 10 {
             let s = Series {
-                metric: Metric::Duration,
                 op: "chat",
                 provider: "openai",
                 model: Arc::from("m"),
                 response_model: Some(Arc::from(format!("hostile-{i}").as_str())),
                 error: None,
-                token_type: None,
             };
-            a.record(s, 0.5);
+            a.group(s).record(DURATION, 0.5);
         }
         assert_eq!(a.series.len(), MAX_SERIES);
-        assert_eq!(
-            a.overflow[Metric::Duration as usize]
-                .as_ref()
-                .unwrap()
-                .count,
-            10
-        );
+        assert_eq!(a.overflow.hists[DURATION].as_ref().unwrap().count, 10);
+        // The overflow series is exported, marked.
+        let body = a.encode(&[], &[], 2);
+        assert!(memchr::memmem::find(&body, b"otel.metric.overflow").is_some());
     }
 }

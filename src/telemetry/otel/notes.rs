@@ -1,7 +1,13 @@
 //! What an answer says of itself (response model, finish reasons, cached input tokens), read
 //! from its bytes without keeping any text.
 
-use std::sync::Arc;
+use memchr::memmem::Finder;
+use std::sync::{Arc, LazyLock};
+
+/// The keys' searchers, built once (building one per search cost more than the search).
+static MODEL: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"model\""));
+static FINISH: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"finish_reason\""));
+static CACHED: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"cached_tokens\""));
 
 /// What an answer says of itself, read without parsing it: the response model, finish
 /// reasons and cached input tokens (OpenAI's shape, which native answers are turned into).
@@ -19,10 +25,13 @@ const MAX_FINISH: usize = 16;
 impl Notes {
     pub fn scan(&mut self, b: &[u8]) {
         if self.model.is_none() {
-            self.model = string_after(b, b"\"model\"").map(Arc::from);
+            self.model = MODEL
+                .find(b)
+                .and_then(|i| string_at(&b[i + 7..]))
+                .map(Arc::from);
         }
         let mut rest = b;
-        while let Some(i) = find(rest, b"\"finish_reason\"") {
+        while let Some(i) = FINISH.find(rest) {
             rest = &rest[i + 15..];
             if let Some(s) = string_at(rest) {
                 if self.finish.len() < MAX_FINISH && !self.finish.contains(&s) {
@@ -30,21 +39,13 @@ impl Notes {
                 }
             }
         }
-        if let Some(i) = find(b, b"\"cached_tokens\"") {
+        if let Some(i) = CACHED.find(b) {
             let n = number_at(&b[i + 15..]);
             if n.is_some() {
                 self.cached = n;
             }
         }
     }
-}
-
-fn find(h: &[u8], n: &[u8]) -> Option<usize> {
-    memchr::memmem::find(h, n)
-}
-
-fn string_after(b: &[u8], key: &[u8]) -> Option<String> {
-    find(b, key).and_then(|i| string_at(&b[i + key.len()..]))
 }
 
 /// `: "value"` → value (short, unescaped names only).

@@ -11,6 +11,7 @@ const I32: u32 = 5;
 
 pub(crate) struct Writer<'a>(pub &'a mut Vec<u8>);
 
+#[inline]
 fn varint(b: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
         b.push((v as u8) | 0x80);
@@ -25,36 +26,45 @@ fn varint_len(v: u64) -> usize {
 }
 
 impl Writer<'_> {
-    #[inline]
+    #[inline(always)]
     fn key(&mut self, field: u32, wire: u32) {
         varint(self.0, u64::from(field << 3 | wire));
     }
 
+    #[inline(always)]
     pub fn bytes(&mut self, field: u32, v: &[u8]) {
         self.key(field, LEN);
         varint(self.0, v.len() as u64);
         self.0.extend_from_slice(v);
     }
 
+    #[inline(always)]
     pub fn string(&mut self, field: u32, v: &str) {
         self.bytes(field, v.as_bytes());
     }
 
+    /// A string field holding `a`, a space and `b`.
+    pub fn string_pair(&mut self, field: u32, a: &str, b: &str) {
+        self.key(field, LEN);
+        varint(self.0, (a.len() + 1 + b.len()) as u64);
+        self.0.extend_from_slice(a.as_bytes());
+        self.0.push(b' ');
+        self.0.extend_from_slice(b.as_bytes());
+    }
+
+    #[inline(always)]
     pub fn uint(&mut self, field: u32, v: u64) {
         self.key(field, VARINT);
         varint(self.0, v);
     }
 
-    /// `int64` (two's complement as a varint, as protobuf encodes it).
-    pub fn int(&mut self, field: u32, v: i64) {
-        self.uint(field, v as u64);
-    }
-
+    #[inline(always)]
     pub fn fixed64(&mut self, field: u32, v: u64) {
         self.key(field, I64);
         self.0.extend_from_slice(&v.to_le_bytes());
     }
 
+    #[inline(always)]
     pub fn fixed32(&mut self, field: u32, v: u32) {
         self.key(field, I32);
         self.0.extend_from_slice(&v.to_le_bytes());
@@ -86,34 +96,87 @@ impl Writer<'_> {
         }
     }
 
+    /// A nested message expected to be 128 to 16,383 bytes long (a span): two bytes are
+    /// reserved for its length, so only a message outside that range is moved.
+    pub fn message_2(&mut self, field: u32, body: impl FnOnce(&mut Writer<'_>)) {
+        self.key(field, LEN);
+        let at = self.0.len();
+        self.0.extend_from_slice(&[0, 0]);
+        body(&mut Writer(self.0));
+        let end = self.0.len();
+        let len = end - at - 2;
+        let n = varint_len(len as u64);
+        if n != 2 {
+            // 1 byte: move down by one; 3 or more: move up.
+            if n < 2 {
+                self.0.copy_within(at + 2..end, at + 1);
+                self.0.truncate(end - 1);
+            } else {
+                self.0.resize(end + n - 2, 0);
+                self.0.copy_within(at + 2..end, at + n);
+            }
+        }
+        let mut l = len as u64;
+        for i in 0..n {
+            let more = if i + 1 < n { 0x80 } else { 0 };
+            self.0[at + i] = (l as u8 & 0x7f) | more;
+            l >>= 7;
+        }
+    }
+
     // `common.v1.KeyValue { key = 1; value = 2 }`, `AnyValue { string = 1; bool = 2;
-    // int = 3; double = 4; array = 5 }`, `ArrayValue { values = 1 }`.
+    // int = 3; double = 4; array = 5 }`, `ArrayValue { values = 1 }`. The small messages
+    // are written with their lengths computed first: no moves, one capacity check.
 
+    /// A `KeyValue` whose `AnyValue` body (`any_len` bytes) `value` writes.
+    #[inline(always)]
+    fn kv(&mut self, field: u32, k: &str, any_len: usize, value: impl FnOnce(&mut Vec<u8>)) {
+        let kv_len =
+            1 + varint_len(k.len() as u64) + k.len() + 1 + varint_len(any_len as u64) + any_len;
+        let b = &mut *self.0;
+        b.reserve(kv_len + 2 + 5);
+        varint(b, u64::from(field << 3 | LEN));
+        varint(b, kv_len as u64);
+        b.push(1 << 3 | LEN as u8);
+        varint(b, k.len() as u64);
+        b.extend_from_slice(k.as_bytes());
+        b.push(2 << 3 | LEN as u8);
+        varint(b, any_len as u64);
+        value(b);
+    }
+
+    #[inline(always)]
     pub fn attr_str(&mut self, field: u32, k: &str, v: &str) {
-        self.message(field, |w| {
-            w.string(1, k);
-            w.message(2, |w| w.string(1, v));
+        let any = 1 + varint_len(v.len() as u64) + v.len();
+        self.kv(field, k, any, |b| {
+            b.push(1 << 3 | LEN as u8);
+            varint(b, v.len() as u64);
+            b.extend_from_slice(v.as_bytes());
         });
     }
 
+    #[inline(always)]
     pub fn attr_int(&mut self, field: u32, k: &str, v: i64) {
-        self.message(field, |w| {
-            w.string(1, k);
-            w.message(2, |w| w.int(3, v));
+        let any = 1 + varint_len(v as u64);
+        self.kv(field, k, any, |b| {
+            b.push(3 << 3 | VARINT as u8);
+            varint(b, v as u64);
         });
     }
 
+    #[inline(always)]
     pub fn attr_bool(&mut self, field: u32, k: &str, v: bool) {
-        self.message(field, |w| {
-            w.string(1, k);
-            w.message(2, |w| w.uint(2, u64::from(v)));
+        self.kv(field, k, 2, |b| {
+            b.push(2 << 3 | VARINT as u8);
+            b.push(u8::from(v));
         });
     }
 
+    #[inline(always)]
     pub fn attr_double(&mut self, field: u32, k: &str, v: f64) {
-        self.message(field, |w| {
-            w.string(1, k);
-            w.message(2, |w| w.double(4, v));
+        self.kv(field, k, 9, |b| {
+            b.push(4 << 3 | I64 as u8);
+            b.extend_from_slice(&v.to_bits().to_le_bytes());
         });
     }
 
@@ -129,6 +192,23 @@ impl Writer<'_> {
             });
         });
     }
+}
+
+/// The bytes of a length-delimited field's key and length (`field`, `len`), for writing a
+/// message's head in front of a body that is already encoded.
+pub(crate) fn head(field: u32, len: usize) -> ([u8; 16], usize) {
+    let mut out = [0u8; 16];
+    let mut n = 0;
+    for mut v in [u64::from(field << 3 | LEN), len as u64] {
+        while v >= 0x80 {
+            out[n] = (v as u8) | 0x80;
+            v >>= 7;
+            n += 1;
+        }
+        out[n] = v as u8;
+        n += 1;
+    }
+    (out, n)
 }
 
 #[cfg(test)]
@@ -152,6 +232,24 @@ mod tests {
     }
 
     #[test]
+    fn two_byte_reserved_messages_of_every_length_decode() {
+        use opentelemetry_proto::tonic::common::v1::KeyValue;
+        use prost::Message;
+        for len in [0usize, 1, 100, 127, 128, 5000, 16_383, 16_384, 70_000] {
+            let v = "y".repeat(len);
+            let mut b = vec![7u8];
+            let mut w = Writer(&mut b);
+            w.message_2(1, |w| {
+                w.string(1, &v);
+            });
+            let mut rest = &b[2..];
+            let n = prost::encoding::decode_varint(&mut rest).unwrap() as usize;
+            assert_eq!(n, rest.len(), "{len}");
+            assert_eq!(KeyValue::decode(rest).unwrap().key.len(), len);
+        }
+    }
+
+    #[test]
     fn nested_messages_of_every_length_class_decode() {
         use opentelemetry_proto::tonic::common::v1::{any_value, KeyValue};
         use prost::Message;
@@ -161,6 +259,7 @@ mod tests {
             let mut w = Writer(&mut b);
             // As a repeated field 1 of some message: decode the KeyValue itself.
             w.attr_str(1, "k", &v);
+
             // Strip the outer key and length to get the KeyValue's bytes.
             let mut rest = &b[1..];
             let n = prost::encoding::decode_varint(&mut rest).unwrap() as usize;
@@ -172,5 +271,38 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn every_value_kind_decodes_as_the_official_type() {
+        use opentelemetry_proto::tonic::common::v1::any_value::Value;
+        use opentelemetry_proto::tonic::resource::v1::Resource;
+        use prost::Message;
+        let mut b = Vec::new();
+        let mut w = Writer(&mut b);
+        // Resource.attributes = 1
+        w.attr_int(1, "neg", -5);
+        w.attr_int(1, "big", i64::MAX);
+        w.attr_bool(1, "yes", true);
+        w.attr_double(1, "d", 0.25);
+        w.attr_str(1, "s", "naïve");
+        w.attr_strs(1, "a", ["stop", "length"].into_iter());
+        let r = Resource::decode(&b[..]).unwrap();
+        let v: Vec<(String, Value)> = r
+            .attributes
+            .into_iter()
+            .map(|kv| (kv.key, kv.value.unwrap().value.unwrap()))
+            .collect();
+        assert_eq!(v[0], ("neg".into(), Value::IntValue(-5)));
+        assert_eq!(v[1], ("big".into(), Value::IntValue(i64::MAX)));
+        assert_eq!(v[2], ("yes".into(), Value::BoolValue(true)));
+        assert_eq!(v[3], ("d".into(), Value::DoubleValue(0.25)));
+        assert_eq!(v[4], ("s".into(), Value::StringValue("naïve".into())));
+        match &v[5].1 {
+            Value::ArrayValue(a) => assert_eq!(a.values.len(), 2),
+            other => panic!("{other:?}"),
+        }
+        let (h, n) = head(2, 300);
+        assert_eq!(&h[..n], &[0x12, 0xac, 0x02]);
     }
 }

@@ -21,6 +21,9 @@ use http::HeaderValue;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+const TRACEPARENT: http::HeaderName = http::HeaderName::from_static("traceparent");
+const TRACESTATE: http::HeaderName = http::HeaderName::from_static("tracestate");
+
 /// Wall-clock now, ns since the Unix epoch (OTLP's timestamps).
 pub(super) fn now_ns() -> u64 {
     SystemTime::now()
@@ -71,7 +74,7 @@ pub struct Attempt {
     backend: Arc<str>,
     kind: BackendKind,
     /// The chain entry's upstream model.
-    model: Box<str>,
+    model: Arc<str>,
     /// The backend's base URL (its host and port become `server.*` in the export task).
     base_url: Box<str>,
     max_tokens: u64,
@@ -109,7 +112,7 @@ pub(crate) struct AttemptDone {
     pub duration_s: f64,
     pub backend: Arc<str>,
     pub provider: &'static str,
-    pub model: Box<str>,
+    pub model: Arc<str>,
     pub base_url: Box<str>,
     pub max_tokens: u64,
     pub attempt: u32,
@@ -223,12 +226,12 @@ impl RequestTrace {
     ) -> Self {
         let start_ns = now_ns();
         let caller: Option<Parent> = headers
-            .get(http::header::HeaderName::from_static("traceparent"))
+            .get(TRACEPARENT)
             .and_then(|v| context::parse_traceparent(v.as_bytes()));
         let trace_id = caller.map_or_else(context::trace_id, |p| p.trace_id);
         let sampled = o.sampler.keeps(&trace_id, caller.as_ref());
         let tracestate = match caller {
-            Some(_) => headers.get("tracestate").cloned(),
+            Some(_) => headers.get(TRACESTATE).cloned(),
             None => None,
         };
         RequestTrace {
@@ -257,7 +260,7 @@ impl RequestTrace {
             started: Instant::now(),
             backend: spec.backend.id.clone(),
             kind: spec.backend.kind,
-            model: spec.model.into(),
+            model: spec.model.clone(),
             base_url: spec.backend.base_url.as_str().into(),
             max_tokens: spec.max_output_tokens,
             attempt: spec.attempt,
@@ -308,17 +311,14 @@ impl Attempt {
     pub fn inject(&self, headers: &mut http::HeaderMap) {
         let tp = context::traceparent(&self.ids.trace_id, &self.span_id, self.ids.sampled);
         if let Ok(v) = HeaderValue::from_bytes(&tp) {
-            headers.insert(http::header::HeaderName::from_static("traceparent"), v);
+            headers.insert(TRACEPARENT, v);
         }
         match &self.ids.tracestate {
             Some(ts) => {
-                headers.insert(
-                    http::header::HeaderName::from_static("tracestate"),
-                    ts.clone(),
-                );
+                headers.insert(TRACESTATE, ts.clone());
             }
             None => {
-                headers.remove("tracestate");
+                headers.remove(TRACESTATE);
             }
         }
     }

@@ -142,10 +142,11 @@ async fn otel_cost() {
         let o = super::get().unwrap();
         let t = o.start(&headers, crate::estimate::Endpoint::Chat);
         super::scope(t, async {
+            let model: Arc<str> = Arc::from("m");
             let spec = CallSpec {
                 backend,
                 backend_index: 0,
-                model: "m",
+                model: &model,
                 max_output_tokens: 50,
                 attempt: 1,
                 probe: false,
