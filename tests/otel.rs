@@ -36,6 +36,8 @@ const CLIENT_SPAN: &str = "00f067aa0ba902b7";
 #[derive(Default)]
 struct Got {
     spans: Vec<Span>,
+    /// The `api-key` header of each export.
+    keys: Vec<String>,
     metrics: Vec<ExportMetricsServiceRequest>,
 }
 
@@ -58,8 +60,15 @@ impl Receiver {
                         let g = g.clone();
                         async move {
                             let path = req.uri().path().to_string();
+                            let key = req
+                                .headers()
+                                .get("api-key")
+                                .and_then(|v| v.to_str().ok())
+                                .unwrap_or("")
+                                .to_string();
                             let body = req.into_body().collect().await.unwrap().to_bytes();
                             let mut got = g.lock().unwrap();
+                            got.keys.push(key);
                             match path.as_str() {
                                 "/v1/traces" => {
                                     let r = ExportTraceServiceRequest::decode(body).unwrap();
@@ -319,6 +328,51 @@ async fn one_trace_per_request_joined_to_the_callers_with_attempt_spans_and_gena
     assert_eq!((count(Some("5xx")), count(None)), (2, 2), "{dur:?}");
     let ttfc = points(&got, "gen_ai.client.operation.time_to_first_chunk");
     assert_eq!(ttfc.iter().map(|p| p.count).sum::<u64>(), 1, "{ttfc:?}");
+    otel::shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsampled_trace_exports_no_span_but_still_counts_and_propagates_its_decision() {
+    let _turn = TURN.lock().await;
+    let rx = Receiver::start().await;
+    let mut s = rx.settings();
+    s.sampler = otel::Sampler::ParentBased(otel::Root::AlwaysOn);
+    s.headers = vec![(
+        http::HeaderName::from_static("api-key"),
+        http::HeaderValue::from_static("collector-key"),
+    )];
+    otel::install(&s).expect("install");
+    let up = MockUpstream::start(vec![]).await;
+    let sc = Sidecar::start(&chain_yaml(&up, &up)).await;
+    // The caller did not sample its trace: the parent-based sampler follows it.
+    let tp = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-00");
+    let (st, _, _) = post_json(
+        &sc.chat_url(),
+        &j!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}),
+        &[("traceparent", tp.as_str())],
+    )
+    .await;
+    assert_eq!(st, 200);
+    otel::flush(Duration::from_secs(10)).await;
+    let got = std::mem::take(&mut *rx.got.lock().unwrap());
+    assert!(
+        got.spans.iter().all(|s| hex(&s.trace_id) != CLIENT_TRACE),
+        "an unsampled trace is not exported"
+    );
+    let dur = points(&got, "gen_ai.client.operation.duration");
+    assert_eq!(
+        dur.iter().map(|p| p.count).sum::<u64>(),
+        1,
+        "metrics count it"
+    );
+    // Upstream, the attempt continues the caller's trace with the not-sampled flag.
+    let sent = up.requests()[0].header("traceparent").unwrap().to_string();
+    assert!(sent.starts_with(&format!("00-{CLIENT_TRACE}-")), "{sent}");
+    assert!(
+        sent.ends_with("-00") && !sent.contains(CLIENT_SPAN),
+        "{sent}"
+    );
+    assert!(!got.keys.is_empty() && got.keys.iter().all(|k| k == "collector-key"));
     otel::shutdown(Duration::from_secs(5)).await;
 }
 

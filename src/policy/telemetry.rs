@@ -5,7 +5,8 @@ use super::types::{OtlpCfg, TelemetryCfg};
 use super::validate::V;
 
 /// Largest span queue accepted (the same bound as `OTEL_BSP_MAX_QUEUE_SIZE`).
-const MAX_QUEUE: usize = 1 << 20;
+/// Each slot holds a finished request's record (a few hundred bytes), allocated up front.
+const MAX_QUEUE: usize = 1 << 16;
 
 impl V<'_> {
     pub(super) fn telemetry_cfg(&mut self, m: &Merged) -> TelemetryCfg {

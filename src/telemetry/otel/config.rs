@@ -46,7 +46,8 @@ const DEFAULT_DELAY: Duration = Duration::from_millis(5000);
 const DEFAULT_TIMEOUT: Duration = Duration::from_millis(10_000);
 const DEFAULT_METRIC_INTERVAL: Duration = Duration::from_millis(60_000);
 /// Largest queue the settings accept (spans are a few hundred bytes to a few KiB each).
-const MAX_QUEUE: usize = 1 << 20;
+/// Each slot holds a finished request's record (a few hundred bytes), allocated up front.
+const MAX_QUEUE: usize = 1 << 16;
 
 /// Resolves the settings; `Ok(None)` when export is off (no endpoint, or `OTEL_SDK_DISABLED`).
 pub fn settings(

@@ -58,6 +58,52 @@ fn the_environment_wins_over_the_policy() {
 }
 
 #[test]
+fn headers_resource_attributes_and_samplers_come_from_the_standard_variables() {
+    let none = OtlpCfg::default();
+    let e = env(&[
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318"),
+        (
+            "OTEL_EXPORTER_OTLP_HEADERS",
+            "api-key=s3cr%20t, x-team = payments",
+        ),
+        (
+            "OTEL_RESOURCE_ATTRIBUTES",
+            "service.name=from-attrs,deployment.environment=prod",
+        ),
+        ("OTEL_TRACES_SAMPLER", "parentbased_traceidratio"),
+        ("OTEL_TRACES_SAMPLER_ARG", "0.1"),
+    ]);
+    let s = settings(&e, &none).unwrap().unwrap();
+    assert_eq!(s.headers.len(), 2);
+    assert_eq!(s.headers[0].0.as_str(), "api-key");
+    assert_eq!(s.headers[0].1.to_str().unwrap(), "s3cr t");
+    assert!(
+        s.headers[0].1.is_sensitive(),
+        "a collector key is never logged"
+    );
+    assert_eq!(s.headers[1].1.to_str().unwrap(), "payments");
+    assert_eq!(s.sampler, Sampler::ParentBased(Root::Ratio(0.1)));
+    assert_eq!(s.service_name, "from-attrs");
+    let r = s.resource();
+    assert!(r.contains(&("service.name".into(), "from-attrs".into())));
+    assert!(r.contains(&("deployment.environment".into(), "prod".into())));
+    // OTEL_SERVICE_NAME wins over the list's service.name.
+    let e = env(&[
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318"),
+        ("OTEL_SERVICE_NAME", "named"),
+        ("OTEL_RESOURCE_ATTRIBUTES", "service.name=from-attrs"),
+    ]);
+    assert_eq!(settings(&e, &none).unwrap().unwrap().service_name, "named");
+    // A malformed header list is an error that does not echo the entry (it may hold a key).
+    let e = env(&[
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318"),
+        ("OTEL_EXPORTER_OTLP_HEADERS", "Bearer-sk-live-123"),
+    ]);
+    let err = settings(&e, &none).unwrap_err();
+    assert!(!err.contains("sk-live"), "{err}");
+}
+
+#[test]
 fn bad_settings_are_errors() {
     let none = OtlpCfg::default();
     for pairs in [
@@ -73,6 +119,14 @@ fn bad_settings_are_errors() {
         vec![
             ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318"),
             ("OTEL_BSP_MAX_QUEUE_SIZE", "0"),
+        ],
+        vec![
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318"),
+            ("OTEL_TRACES_SAMPLER", "jaeger_remote"),
+        ],
+        vec![
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318"),
+            ("OTEL_RESOURCE_ATTRIBUTES", "k=%zz"),
         ],
     ] {
         assert!(settings(&env(&pairs), &none).is_err(), "{pairs:?}");
