@@ -21,6 +21,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, Notify};
@@ -192,6 +193,7 @@ pub(super) fn start(s: &Settings, fixed: Fixed) -> Result<(Arc<SpanQueue>, Contr
         fixed,
         spans: Vec::new(),
         last_batch: 0,
+        blocks: Blocks::default(),
         in_batch: 0,
         aggregates: Aggregates::new(now_ns()),
         full: queue.full.clone(),
@@ -211,6 +213,7 @@ struct Worker {
     /// hand-off, so the spans are never copied or moved), then the encoded `Span` fields.
     spans: Vec<u8>,
     prefix: usize,
+    blocks: Blocks,
     /// Bytes of the last batch handed off (the next one is reserved at 5/4 of it).
     last_batch: usize,
     in_batch: u64,
@@ -269,7 +272,7 @@ impl Worker {
                     });
                     self.spans.resize(self.prefix, 0);
                 }
-                encode_spans(&mut self.spans, &f);
+                encode_spans(&mut self.blocks, &mut self.spans, &f);
                 self.in_batch += spans_of(&f);
             }
             if self.in_batch >= self.batch as u64 {
@@ -481,7 +484,190 @@ fn answer_attrs(w: &mut Writer<'_>, f: &Finished) {
         w.attr_strs(
             A,
             "gen_ai.response.finish_reasons",
-            f.notes.finish.iter().map(String::as_str),
+            f.notes.finish.iter().map(|r| r.as_ref()),
+        );
+    }
+}
+
+/// Attributes that repeat from request to request, encoded once per distinct set and copied
+/// after that: on the server span, operation, method, path, route, provider, the eight states,
+/// consumer, team, policy version and backend (17 of its ~30); on a client span, operation,
+/// provider, model, backend, probe and the backend's address (9 of its ~15).
+#[derive(Debug, Default)]
+pub(crate) struct Blocks {
+    server: Memo<ServerKey>,
+    client: Memo<ClientKey>,
+}
+
+/// Most distinct sets kept per kind (a consumer id per caller could make many): past it, the
+/// memo starts over.
+const MAX_BLOCKS: usize = 1024;
+
+/// Encoded blocks by the hash of what they were encoded from; a hash whose key differs (a
+/// collision) is encoded afresh and replaces the entry.
+#[derive(Debug)]
+struct Memo<K> {
+    map: HashMap<u64, (K, Vec<u8>), foldhash::fast::RandomState>,
+}
+
+impl<K> Default for Memo<K> {
+    fn default() -> Self {
+        Memo {
+            map: HashMap::default(),
+        }
+    }
+}
+
+impl<K> Memo<K> {
+    fn write(
+        &mut self,
+        out: &mut Vec<u8>,
+        h: u64,
+        same: impl Fn(&K) -> bool,
+        key: impl FnOnce() -> K,
+        encode: impl FnOnce(&mut Writer<'_>),
+    ) {
+        if let Some((k, block)) = self.map.get(&h) {
+            if same(k) {
+                out.extend_from_slice(block);
+                return;
+            }
+        }
+        let mut block = Vec::with_capacity(640);
+        encode(&mut Writer(&mut block));
+        out.extend_from_slice(&block);
+        if self.map.len() >= MAX_BLOCKS {
+            self.map.clear();
+        }
+        self.map.insert(h, (key(), block));
+    }
+}
+
+/// `&'static str`s are compared by address (equal addresses are equal strings; unequal ones at
+/// worst cost a second entry), the others by content.
+fn static_id(s: &'static str) -> (usize, usize) {
+    (s.as_ptr() as usize, s.len())
+}
+
+fn hasher() -> impl std::hash::Hasher {
+    use std::hash::BuildHasher;
+    foldhash::fast::FixedState::with_seed(0x746f_6c6c).build_hasher()
+}
+
+#[derive(Debug)]
+struct ServerKey {
+    statics: [(usize, usize); 11],
+    strs: [Arc<str>; 4],
+    team: Option<Arc<str>>,
+}
+
+#[derive(Debug)]
+struct ClientKey {
+    statics: [(usize, usize); 2],
+    probe: bool,
+    model: Arc<str>,
+    backend: Arc<str>,
+    base_url: Box<str>,
+}
+
+fn served_provider(f: &Finished) -> &'static str {
+    f.served
+        .and_then(|i| f.attempts.get(i))
+        .map_or("", |a| a.provider)
+}
+
+impl Blocks {
+    fn server(&mut self, w: &mut Writer<'_>, f: &Finished) {
+        use std::hash::{Hash, Hasher};
+        let d = &f.decision;
+        let mut statics = [(0, 0); 11];
+        statics[0] = static_id(f.op);
+        statics[1] = static_id(f.path);
+        statics[2] = static_id(served_provider(f));
+        for (slot, st) in statics[3..].iter_mut().zip(d.states) {
+            *slot = static_id(st);
+        }
+        let strs = [&d.route, &d.consumer, &d.policy_version, &d.backend];
+        let mut h = hasher();
+        statics.hash(&mut h);
+        for s in strs {
+            s.hash(&mut h);
+        }
+        d.team.hash(&mut h);
+        self.server.write(
+            w.0,
+            h.finish(),
+            |k| {
+                k.statics == statics
+                    && k.strs.iter().zip(strs).all(|(a, b)| **a == **b)
+                    && k.team.as_deref() == d.team.as_deref()
+            },
+            || ServerKey {
+                statics,
+                strs: strs.map(Arc::clone),
+                team: d.team.clone(),
+            },
+            |w| {
+                w.attr_str(A, "gen_ai.operation.name", f.op);
+                w.attr_str(A, "http.request.method", "POST");
+                w.attr_str(A, "url.path", f.path);
+                if !d.route.is_empty() {
+                    w.attr_str(A, "gen_ai.request.model", &d.route);
+                }
+                if f.served.is_some() {
+                    w.attr_str(A, "gen_ai.provider.name", served_provider(f));
+                }
+                for (k, v) in STATE_KEYS.iter().zip(d.states) {
+                    w.attr_str(A, k, v);
+                }
+                w.attr_str(A, "tollgate.consumer", &d.consumer);
+                if let Some(t) = &d.team {
+                    w.attr_str(A, "tollgate.team", t);
+                }
+                w.attr_str(A, "tollgate.route", &d.route);
+                w.attr_str(A, "tollgate.policy_version", &d.policy_version);
+                w.attr_str(A, "tollgate.backend", &d.backend);
+            },
+        );
+    }
+
+    fn client(&mut self, w: &mut Writer<'_>, f: &Finished, a: &super::spans::AttemptDone) {
+        use std::hash::{Hash, Hasher};
+        let statics = [static_id(f.op), static_id(a.provider)];
+        let mut h = hasher();
+        statics.hash(&mut h);
+        a.probe.hash(&mut h);
+        a.model.hash(&mut h);
+        a.backend.hash(&mut h);
+        a.base_url.hash(&mut h);
+        self.client.write(
+            w.0,
+            h.finish(),
+            |k| {
+                k.statics == statics
+                    && k.probe == a.probe
+                    && *k.model == *a.model
+                    && *k.backend == *a.backend
+                    && k.base_url == a.base_url
+            },
+            || ClientKey {
+                statics,
+                probe: a.probe,
+                model: a.model.clone(),
+                backend: a.backend.clone(),
+                base_url: a.base_url.clone(),
+            },
+            |w| {
+                w.attr_str(A, "gen_ai.operation.name", f.op);
+                w.attr_str(A, "gen_ai.provider.name", a.provider);
+                w.attr_str(A, "gen_ai.request.model", &a.model);
+                w.attr_str(A, "tollgate.backend", &a.backend);
+                w.attr_bool(A, "tollgate.probe", a.probe);
+                if let Some((h, p)) = host_port(&a.base_url) {
+                    w.attr_str(A, "server.address", h);
+                    w.attr_int(A, "server.port", i64::from(p));
+                }
+            },
         );
     }
 }
@@ -493,7 +679,7 @@ fn span(out: &mut Vec<u8>, body: impl FnOnce(&mut Writer<'_>)) {
 
 /// Appends a finished request's spans (`ScopeSpans.spans = 2`) to `out`: the server span,
 /// then one client span per attempt.
-pub(crate) fn encode_spans(out: &mut Vec<u8>, f: &Finished) {
+pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished) {
     let d = &f.decision;
     let mut status = itoa::Buffer::new();
     span(out, |w| {
@@ -507,15 +693,7 @@ pub(crate) fn encode_spans(out: &mut Vec<u8>, f: &Finished) {
             2, // SERVER
             (f.start_ns, f.end_ns),
         );
-        w.attr_str(A, "gen_ai.operation.name", f.op);
-        w.attr_str(A, "http.request.method", "POST");
-        w.attr_str(A, "url.path", f.path);
-        if !d.route.is_empty() {
-            w.attr_str(A, "gen_ai.request.model", &d.route);
-        }
-        if let Some(a) = f.served.and_then(|i| f.attempts.get(i)) {
-            w.attr_str(A, "gen_ai.provider.name", a.provider);
-        }
+        blocks.server(w, f);
         if d.requested_output_tokens > 0 {
             w.attr_int(
                 A,
@@ -526,16 +704,6 @@ pub(crate) fn encode_spans(out: &mut Vec<u8>, f: &Finished) {
         if f.served.is_some() {
             answer_attrs(w, f);
         }
-        for (k, v) in STATE_KEYS.iter().zip(d.states) {
-            w.attr_str(A, k, v);
-        }
-        w.attr_str(A, "tollgate.consumer", &d.consumer);
-        if let Some(t) = &d.team {
-            w.attr_str(A, "tollgate.team", t);
-        }
-        w.attr_str(A, "tollgate.route", &d.route);
-        w.attr_str(A, "tollgate.policy_version", &d.policy_version);
-        w.attr_str(A, "tollgate.backend", &d.backend);
         w.attr_str(A, "tollgate.request_id", &d.request_id);
         w.attr_str(A, "tollgate.job_id", &d.job_id);
         w.attr_int(A, "tollgate.attempts", d.attempts as i64);
@@ -561,17 +729,9 @@ pub(crate) fn encode_spans(out: &mut Vec<u8>, f: &Finished) {
                 3, // CLIENT
                 (a.start_ns, a.end_ns),
             );
-            w.attr_str(A, "gen_ai.operation.name", f.op);
-            w.attr_str(A, "gen_ai.provider.name", a.provider);
-            w.attr_str(A, "gen_ai.request.model", &a.model);
+            blocks.client(w, f, a);
             w.attr_int(A, "gen_ai.request.max_tokens", sat(a.max_tokens));
-            w.attr_str(A, "tollgate.backend", &a.backend);
             w.attr_int(A, "tollgate.attempt", i64::from(a.attempt));
-            w.attr_bool(A, "tollgate.probe", a.probe);
-            if let Some((h, p)) = host_port(&a.base_url) {
-                w.attr_str(A, "server.address", h);
-                w.attr_int(A, "server.port", i64::from(p));
-            }
             let error: Option<&str> = match a.outcome {
                 Outcome::Served => {
                     if served {
@@ -612,7 +772,115 @@ pub(crate) fn encode_spans(out: &mut Vec<u8>, f: &Finished) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::notes::Notes;
+    use super::super::spans::{AttemptDone, Decision, Finished, Outcome, TraceIds};
     use super::host_port;
+    use super::{encode_spans, Blocks};
+    use std::sync::Arc;
+
+    fn finished(consumer: &str, team: Option<&str>, model: &str) -> Finished {
+        Finished {
+            ids: TraceIds {
+                trace_id: [1; 16],
+                sampled: true,
+                tracestate: None,
+            },
+            span_id: [2; 8],
+            parent: None,
+            start_ns: 1,
+            end_ns: 2,
+            op: "chat",
+            path: "/v1/chat/completions",
+            notes: Notes::default(),
+            attempts: vec![AttemptDone {
+                span_id: [3; 8],
+                start_ns: 1,
+                end_ns: 2,
+                duration_s: 0.5,
+                backend: Arc::from("b"),
+                provider: "openai",
+                model: Arc::from(model),
+                base_url: "http://h:1/v1".into(),
+                max_tokens: 9,
+                attempt: 1,
+                probe: false,
+                first_chunk: None,
+                outcome: Outcome::Served,
+            }],
+            served: Some(0),
+            decision: Decision {
+                states: ["ALLOW", "OK", "a", "b", "c", "d", "e", "f"],
+                http_status: 200,
+                route: Arc::from("chat"),
+                consumer: Arc::from(consumer),
+                team: team.map(Arc::from),
+                policy_version: Arc::from("v1"),
+                backend: Arc::from("b"),
+                request_id: Arc::from("r"),
+                job_id: Arc::from("j"),
+                upstream_model: None,
+                requested_output_tokens: 9,
+                usage: Some((1, 2)),
+                cache_write_tokens: 0,
+                cost_usd: 0.0,
+                attempts: 1,
+            },
+        }
+    }
+
+    /// The spans of one encoded request, decoded with the official types.
+    fn decode(b: &[u8]) -> Vec<opentelemetry_proto::tonic::trace::v1::Span> {
+        use prost::Message;
+        opentelemetry_proto::tonic::trace::v1::ScopeSpans::decode(b)
+            .unwrap()
+            .spans
+    }
+
+    fn attr(sp: &opentelemetry_proto::tonic::trace::v1::Span, k: &str) -> Option<String> {
+        use opentelemetry_proto::tonic::common::v1::any_value::Value;
+        sp.attributes.iter().find(|kv| kv.key == k).and_then(|kv| {
+            match kv.value.as_ref()?.value.as_ref()? {
+                Value::StringValue(s) => Some(s.clone()),
+                other => Some(format!("{other:?}")),
+            }
+        })
+    }
+
+    #[test]
+    fn repeated_attributes_come_from_the_memo_and_differing_ones_do_not() {
+        let mut blocks = Blocks::default();
+        let cases = [
+            ("alice", None, "m1"),
+            ("alice", None, "m1"),
+            ("bob", Some("payments"), "m1"),
+            ("alice", None, "m2"),
+            ("alice", Some("payments"), "m1"),
+        ];
+        for (consumer, team, model) in cases {
+            let mut out = Vec::new();
+            encode_spans(&mut blocks, &mut out, &finished(consumer, team, model));
+            let spans = decode(&out);
+            assert_eq!(spans.len(), 2);
+            let (server, client) = (&spans[0], &spans[1]);
+            assert_eq!(attr(server, "tollgate.consumer").as_deref(), Some(consumer));
+            assert_eq!(attr(server, "tollgate.team").as_deref(), team);
+            assert_eq!(
+                attr(server, "tollgate.final_action").as_deref(),
+                Some("ALLOW")
+            );
+            assert_eq!(attr(client, "gen_ai.request.model").as_deref(), Some(model));
+            assert_eq!(attr(client, "server.address").as_deref(), Some("h"));
+            assert_eq!(client.name, format!("chat {model}"));
+            // No attribute twice.
+            let mut keys: Vec<&str> = server.attributes.iter().map(|kv| kv.key.as_str()).collect();
+            let n = keys.len();
+            keys.sort_unstable();
+            keys.dedup();
+            assert_eq!(keys.len(), n, "{keys:?}");
+        }
+        assert_eq!(blocks.server.map.len(), 3);
+        assert_eq!(blocks.client.map.len(), 2);
+    }
 
     #[test]
     fn host_and_port_of_base_urls() {

@@ -170,7 +170,7 @@ pub fn attempt(spec: &crate::governor::CallSpec<'_>) -> Option<Attempt> {
 /// Reads what a buffered answer says of itself (response model, finish reasons, cached
 /// tokens) for the request's span.
 pub fn note_body(body: &[u8]) {
-    with(|t| t.notes.scan(body));
+    with(|t| t.notes.scan(body, t.ids.sampled));
 }
 
 /// Takes the request's trace out of the scope (a stream finishes it when it ends).

@@ -2,6 +2,7 @@
 //! from its bytes without keeping any text.
 
 use memchr::memmem::Finder;
+use std::borrow::Cow;
 use std::sync::{Arc, LazyLock};
 
 /// The keys' searchers, built once (building one per search cost more than the search).
@@ -15,27 +16,44 @@ static CACHED: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"cach
 #[derive(Debug, Default)]
 pub(crate) struct Notes {
     pub model: Option<Arc<str>>,
-    pub finish: Vec<String>,
+    pub finish: Vec<Cow<'static, str>>,
     pub cached: Option<u64>,
 }
 
 /// At most this many finish reasons are kept (`n` choices).
 const MAX_FINISH: usize = 16;
 
+/// The finish reasons the OpenAI shape uses, kept without an allocation.
+const KNOWN: [&str; 5] = [
+    "stop",
+    "length",
+    "tool_calls",
+    "content_filter",
+    "function_call",
+];
+
 impl Notes {
-    pub fn scan(&mut self, b: &[u8]) {
+    /// Reads `b`; with `spans` false only the model (all the metrics need), for an unsampled
+    /// trace whose spans are not exported.
+    pub fn scan(&mut self, b: &[u8], spans: bool) {
         if self.model.is_none() {
             self.model = MODEL
                 .find(b)
                 .and_then(|i| string_at(&b[i + 7..]))
                 .map(Arc::from);
         }
+        if !spans {
+            return;
+        }
         let mut rest = b;
         while let Some(i) = FINISH.find(rest) {
             rest = &rest[i + 15..];
             if let Some(s) = string_at(rest) {
-                if self.finish.len() < MAX_FINISH && !self.finish.contains(&s) {
-                    self.finish.push(s);
+                if self.finish.len() < MAX_FINISH && !self.finish.iter().any(|f| f == s) {
+                    self.finish.push(match KNOWN.iter().find(|k| **k == s) {
+                        Some(k) => Cow::Borrowed(*k),
+                        None => Cow::Owned(s.to_string()),
+                    });
                 }
             }
         }
@@ -49,14 +67,14 @@ impl Notes {
 }
 
 /// `: "value"` → value (short, unescaped names only).
-fn string_at(b: &[u8]) -> Option<String> {
+fn string_at(b: &[u8]) -> Option<&str> {
     let b = skip_colon(b)?;
     let b = b.strip_prefix(b"\"")?;
     let end = b.iter().take(128).position(|&c| c == b'"' || c == b'\\')?;
     if b[end] != b'"' {
         return None;
     }
-    std::str::from_utf8(&b[..end]).ok().map(str::to_string)
+    std::str::from_utf8(&b[..end]).ok()
 }
 
 fn number_at(b: &[u8]) -> Option<u64> {

@@ -276,7 +276,7 @@ impl RequestTrace {
                 a.first_chunk = Some((a.started.elapsed().as_secs_f64(), now_ns()));
             }
         }
-        self.notes.scan(data);
+        self.notes.scan(data, self.ids.sampled);
     }
 
     /// Ends the served attempt and the server span with the decision, and queues the lot for

@@ -136,13 +136,24 @@ fn bad_settings_are_errors() {
 #[test]
 fn notes_read_model_finish_reasons_and_cached_tokens() {
     let mut n = Notes::default();
-    n.scan(br#"{"id":"x","model": "gpt-4o-2024","choices":[{"index":0,"message":{"content":"say \"finish_reason\":\"evil\""},"finish_reason":"stop"},{"finish_reason":"length"}],"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens": 7}}}"#);
+    n.scan(br#"{"id":"x","model": "gpt-4o-2024","choices":[{"index":0,"message":{"content":"say \"finish_reason\":\"evil\""},"finish_reason":"stop"},{"finish_reason":"length"}],"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens": 7}}}"#, true);
     assert_eq!(n.model.as_deref(), Some("gpt-4o-2024"));
     assert_eq!(n.finish, ["stop", "length"]);
     assert_eq!(n.cached, Some(7));
     // Stream chunks: the first model stays, reasons are not repeated, null is skipped.
-    n.scan(b"data: {\"model\":\"other\",\"choices\":[{\"delta\":{},\"finish_reason\":null}]}\n\n");
-    n.scan(b"data: {\"choices\":[{\"finish_reason\":\"stop\"}]}\n\n");
+    n.scan(
+        b"data: {\"model\":\"other\",\"choices\":[{\"delta\":{},\"finish_reason\":null}]}\n\n",
+        true,
+    );
+    n.scan(
+        b"data: {\"choices\":[{\"finish_reason\":\"stop\"}]}\n\n",
+        true,
+    );
+    // Unsampled: only the model is read (the metrics' response model).
+    let mut u = Notes::default();
+    u.scan(br#"{"model":"m","choices":[{"finish_reason":"stop"}],"usage":{"prompt_tokens_details":{"cached_tokens":3}}}"#, false);
+    assert_eq!(u.model.as_deref(), Some("m"));
+    assert!(u.finish.is_empty() && u.cached.is_none());
     assert_eq!(n.model.as_deref(), Some("gpt-4o-2024"));
     assert_eq!(n.finish, ["stop", "length"]);
 }
