@@ -12,7 +12,8 @@ use bytes::Bytes;
 use common::mock::{Answer, MockUpstream};
 use common::sidecar::Sidecar;
 use common::{json, post_json};
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::Frame;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use opentelemetry_proto::tonic::collector::metrics::v1::ExportMetricsServiceRequest;
@@ -44,10 +45,28 @@ struct Got {
 struct Receiver {
     addr: SocketAddr,
     got: Arc<Mutex<Got>>,
+    grpc: bool,
+}
+
+/// gRPC's five-byte message prefix: uncompressed, big-endian length.
+fn grpc_message(b: Bytes) -> Bytes {
+    assert_eq!(b[0], 0, "uncompressed");
+    let len = u32::from_be_bytes([b[1], b[2], b[3], b[4]]) as usize;
+    assert_eq!(len, b.len() - 5, "one whole message");
+    b.slice(5..)
 }
 
 impl Receiver {
     async fn start() -> Receiver {
+        Self::start_as(false).await
+    }
+
+    /// An OTLP/gRPC receiver (h2c): the methods' paths, framed messages, `grpc-status` trailers.
+    async fn start_grpc() -> Receiver {
+        Self::start_as(true).await
+    }
+
+    async fn start_as(grpc: bool) -> Receiver {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         let got = Arc::new(Mutex::new(Got::default()));
@@ -66,7 +85,26 @@ impl Receiver {
                                 .and_then(|v| v.to_str().ok())
                                 .unwrap_or("")
                                 .to_string();
-                            let body = req.into_body().collect().await.unwrap().to_bytes();
+                            if grpc {
+                                assert_eq!(req.version(), http::Version::HTTP_2);
+                                assert_eq!(
+                                    req.headers().get("content-type").unwrap(),
+                                    "application/grpc"
+                                );
+                            }
+                            let mut body = req.into_body().collect().await.unwrap().to_bytes();
+                            let path = match (grpc, path.as_str()) {
+                                (true, "/opentelemetry.proto.collector.trace.v1.TraceService/Export") => {
+                                    body = grpc_message(body);
+                                    "/v1/traces".to_string()
+                                }
+                                (true, "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export") => {
+                                    body = grpc_message(body);
+                                    "/v1/metrics".to_string()
+                                }
+                                (true, p) => panic!("unexpected gRPC method {p}"),
+                                (false, _) => path,
+                            };
                             let mut got = g.lock().unwrap();
                             got.keys.push(key);
                             match path.as_str() {
@@ -83,11 +121,32 @@ impl Receiver {
                                     .push(ExportMetricsServiceRequest::decode(body).unwrap()),
                                 p => panic!("unexpected OTLP path {p}"),
                             }
-                            let mut resp = http::Response::new(Full::new(Bytes::new()));
-                            resp.headers_mut().insert(
-                                "content-type",
-                                http::HeaderValue::from_static("application/x-protobuf"),
-                            );
+                            let resp = if grpc {
+                                // An empty Export*ServiceResponse, then grpc-status 0.
+                                let mut trailers = http::HeaderMap::new();
+                                trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+                                let frames = vec![
+                                    Ok::<_, std::convert::Infallible>(Frame::data(
+                                        Bytes::from_static(&[0, 0, 0, 0, 0]),
+                                    )),
+                                    Ok(Frame::trailers(trailers)),
+                                ];
+                                let mut r = http::Response::new(
+                                    StreamBody::new(futures_util::stream::iter(frames)).boxed(),
+                                );
+                                r.headers_mut().insert(
+                                    "content-type",
+                                    http::HeaderValue::from_static("application/grpc"),
+                                );
+                                r
+                            } else {
+                                let mut r = http::Response::new(Full::new(Bytes::new()).boxed());
+                                r.headers_mut().insert(
+                                    "content-type",
+                                    http::HeaderValue::from_static("application/x-protobuf"),
+                                );
+                                r
+                            };
                             Ok::<_, std::convert::Infallible>(resp)
                         }
                     });
@@ -97,11 +156,21 @@ impl Receiver {
                 });
             }
         });
-        Receiver { addr, got }
+        Receiver { addr, got, grpc }
     }
 
     fn settings(&self) -> Settings {
-        let mut s = Settings::for_endpoint(&format!("http://{}", self.addr)).unwrap();
+        let base = format!("http://{}", self.addr);
+        let mut s = if self.grpc {
+            let env = |k: &str| match k {
+                "OTEL_EXPORTER_OTLP_ENDPOINT" => Some(base.clone()),
+                "OTEL_EXPORTER_OTLP_PROTOCOL" => Some("grpc".to_string()),
+                _ => None,
+            };
+            otel::settings(&env, &Default::default()).unwrap().unwrap()
+        } else {
+            Settings::for_endpoint(&base).unwrap()
+        };
         s.schedule_delay = Duration::from_millis(50);
         s.timeout = Duration::from_secs(5);
         s
@@ -151,6 +220,20 @@ retry: {{max_attempts_per_job: 3, same_backend_retries: 0}}
         a.base_url(),
         b.base_url()
     )
+}
+
+/// `tollgate_otel_dropped_spans_total{reason}` now (process-wide: compare before and after).
+fn dropped(reason: &str) -> f64 {
+    tollgate::telemetry::global()
+        .render()
+        .lines()
+        .find(|l| {
+            l.starts_with("tollgate_otel_dropped_spans_total")
+                && l.contains(&format!("reason=\"{reason}\""))
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
 }
 
 /// Histogram points of a metric in the last export that has it (cumulative: the totals).
@@ -373,6 +456,44 @@ async fn an_unsampled_trace_exports_no_span_but_still_counts_and_propagates_its_
         "{sent}"
     );
     assert!(!got.keys.is_empty() && got.keys.iter().all(|k| k == "collector-key"));
+    otel::shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_grpc_the_collector_gets_the_same_trace_and_metrics() {
+    let _turn = TURN.lock().await;
+    let rx = Receiver::start_grpc().await;
+    otel::install(&rx.settings()).expect("install");
+    let failed_before = dropped("export_failed");
+    let up = MockUpstream::start(vec![Answer::ok_chat("hello", 12, 7)]).await;
+    let sc = Sidecar::start(&chain_yaml(&up, &up)).await;
+    let tp = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01");
+    let (st, _, out) = post_json(
+        &sc.chat_url(),
+        &j!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}),
+        &[("traceparent", tp.as_str()), ("x-request-id", "grpc-1")],
+    )
+    .await;
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&out));
+    otel::flush(Duration::from_secs(10)).await;
+    let got = std::mem::take(&mut *rx.got.lock().unwrap());
+    let server = got
+        .spans
+        .iter()
+        .find(|s| s.kind == SpanKind::Server as i32)
+        .expect("a server span over gRPC");
+    assert_eq!(hex(&server.trace_id), CLIENT_TRACE);
+    assert_eq!(hex(&server.parent_span_id), CLIENT_SPAN);
+    assert_eq!(s_attr(server, "tollgate.request_id"), "grpc-1");
+    assert_eq!(i_attr(server, "gen_ai.usage.output_tokens"), 7);
+    assert!(got.spans.iter().any(|s| s.kind == SpanKind::Client as i32));
+    let tokens = points(&got, "gen_ai.client.token.usage");
+    assert_eq!(
+        tokens.iter().map(|p| p.sum.unwrap_or(0.0)).sum::<f64>(),
+        19.0
+    );
+    // Nothing was dropped: the gRPC status was read as a success.
+    assert_eq!(dropped("export_failed"), failed_before);
     otel::shutdown(Duration::from_secs(5)).await;
 }
 

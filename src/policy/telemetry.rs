@@ -33,11 +33,11 @@ impl V<'_> {
         };
         let protocol = match raw.protocol.as_deref() {
             None => None,
-            Some("http/protobuf") => Some("http/protobuf".to_owned()),
+            Some(p @ ("http/protobuf" | "grpc")) => Some(p.to_owned()),
             Some(p) => self.err(
                 f,
                 "telemetry.otlp.protocol",
-                format!("`{p}` is not supported: use http/protobuf"),
+                format!("`{p}` is not supported: use http/protobuf or grpc"),
             ),
         };
         let service_name = match raw.service_name.as_deref().map(str::trim) {
@@ -108,7 +108,7 @@ routes:
     fn bad_values_are_errors_with_their_path() {
         for (kv, path) in [
             ("endpoint: 'collector:4318'", "telemetry.otlp.endpoint"),
-            ("protocol: grpc", "telemetry.otlp.protocol"),
+            ("protocol: http/json", "telemetry.otlp.protocol"),
             ("sample_ratio: 1.5", "telemetry.otlp.sample_ratio"),
             ("queue: 0", "telemetry.otlp.queue"),
             ("service_name: ''", "telemetry.otlp.service_name"),

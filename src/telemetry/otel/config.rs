@@ -7,8 +7,15 @@ use std::time::Duration;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Protocol {
+    /// OTLP/HTTP with protobuf bodies (the collector's port 4318).
     HttpProtobuf,
+    /// OTLP/gRPC over HTTP/2 (the collector's port 4317; cleartext `http://` is h2c).
+    Grpc,
 }
+
+/// The gRPC methods the exports call (appended to the endpoint, as the OTLP spec says).
+const GRPC_TRACES: &str = "opentelemetry.proto.collector.trace.v1.TraceService/Export";
+const GRPC_METRICS: &str = "opentelemetry.proto.collector.metrics.v1.MetricsService/Export";
 
 /// Everything the exporter needs, resolved once at start.
 #[derive(Debug, Clone)]
@@ -71,16 +78,32 @@ pub fn settings(
     let protocol = var("OTEL_EXPORTER_OTLP_PROTOCOL").or_else(|| policy.protocol.clone());
     let protocol = match protocol.as_deref() {
         None | Some("http/protobuf") => Protocol::HttpProtobuf,
+        Some("grpc") => Protocol::Grpc,
         Some(p) => {
             return Err(format!(
-                "OTLP protocol `{p}` is not built in: use http/protobuf (the collector's port 4318)"
+                "OTLP protocol `{p}` is not built in: use http/protobuf (the collector's port \
+                 4318) or grpc (4317)"
             ))
         }
     };
-    let base = base.unwrap_or_else(|| "http://localhost:4318".into());
-    let join = |path: &str| format!("{}/{path}", base.trim_end_matches('/'));
-    let traces_endpoint = traces.unwrap_or_else(|| join("v1/traces"));
-    let metrics_endpoint = metrics.unwrap_or_else(|| join("v1/metrics"));
+    let join = |base: &str, path: &str| format!("{}/{path}", base.trim_end_matches('/'));
+    let (traces_endpoint, metrics_endpoint) = match protocol {
+        Protocol::HttpProtobuf => {
+            let base = base.unwrap_or_else(|| "http://localhost:4318".into());
+            (
+                traces.unwrap_or_else(|| join(&base, "v1/traces")),
+                metrics.unwrap_or_else(|| join(&base, "v1/metrics")),
+            )
+        }
+        // gRPC endpoints name the collector only; the method is the path.
+        Protocol::Grpc => {
+            let base = base.unwrap_or_else(|| "http://localhost:4317".into());
+            (
+                join(traces.as_deref().unwrap_or(&base), GRPC_TRACES),
+                join(metrics.as_deref().unwrap_or(&base), GRPC_METRICS),
+            )
+        }
+    };
     for u in [&traces_endpoint, &metrics_endpoint] {
         check_url(u)?;
     }

@@ -9,7 +9,7 @@
 //! sender task through a short channel, and when that is full (the collector is slow or down)
 //! the batch is dropped and counted. Each post is bounded by the timeout, with no retries.
 
-use super::config::Settings;
+use super::config::{Protocol, Settings};
 use super::metrics::Aggregates;
 use super::proto::{self, Writer};
 use super::spans::{now_ns, Finished, Outcome, STATE_KEYS};
@@ -37,10 +37,11 @@ const OUTBOX: usize = 4;
 pub(super) struct HyperClient {
     client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     timeout: Duration,
+    grpc: bool,
 }
 
 impl HyperClient {
-    pub(super) fn new(timeout: Duration) -> Self {
+    pub(super) fn new(timeout: Duration, protocol: Protocol) -> Self {
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_nodelay(true);
@@ -51,11 +52,18 @@ impl HyperClient {
             .enable_http1()
             .enable_http2()
             .wrap_connector(http);
+        let grpc = protocol == Protocol::Grpc;
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .pool_max_idle_per_host(4)
+            // gRPC is HTTP/2 only (h2c for a cleartext collector).
+            .http2_only(grpc)
             .build(https);
-        HyperClient { client, timeout }
+        HyperClient {
+            client,
+            timeout,
+            grpc,
+        }
     }
 
     /// Posts one OTLP/HTTP protobuf export; `Err` with a short reason unless the collector
@@ -66,23 +74,53 @@ impl HyperClient {
         headers: &[(http::HeaderName, http::HeaderValue)],
         body: Bytes,
     ) -> Result<(), String> {
+        let (content_type, body) = if self.grpc {
+            // A gRPC message: uncompressed flag, big-endian length, the protobuf.
+            let len = u32::try_from(body.len()).map_err(|_| "export too large".to_string())?;
+            let mut framed = Vec::with_capacity(body.len() + 5);
+            framed.push(0);
+            framed.extend_from_slice(&len.to_be_bytes());
+            framed.extend_from_slice(&body);
+            ("application/grpc", Bytes::from(framed))
+        } else {
+            ("application/x-protobuf", body)
+        };
         let mut req = Request::post(url.clone())
-            .header(http::header::CONTENT_TYPE, "application/x-protobuf")
+            .header(http::header::CONTENT_TYPE, content_type)
             .body(Full::new(body))
             .map_err(|e| e.to_string())?;
+        if self.grpc {
+            req.headers_mut()
+                .insert(http::header::TE, http::HeaderValue::from_static("trailers"));
+        }
         for (k, v) in headers {
             req.headers_mut().insert(k.clone(), v.clone());
         }
         let call = async {
             let resp = self.client.request(req).await.map_err(|e| e.to_string())?;
             let status = resp.status();
-            // Read (bounded) so the connection can be reused.
-            let _ = Limited::new(resp.into_body(), MAX_ANSWER).collect().await;
-            if status.is_success() {
-                Ok(())
-            } else {
-                Err(format!("collector answered {status}"))
+            let (parts, body) = resp.into_parts();
+            // Read (bounded) so the connection can be reused, and for gRPC's trailers.
+            let collected = Limited::new(body, MAX_ANSWER).collect().await;
+            if !status.is_success() {
+                return Err(format!("collector answered {status}"));
             }
+            if self.grpc {
+                // `grpc-status` is in the trailers, or in the headers of a trailers-only answer.
+                let trailers = collected.as_ref().ok().and_then(|c| c.trailers().cloned());
+                let code = trailers
+                    .as_ref()
+                    .and_then(|t| t.get("grpc-status"))
+                    .or_else(|| parts.headers.get("grpc-status"))
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned);
+                match code.as_deref() {
+                    Some("0") => {}
+                    Some(c) => return Err(format!("collector answered grpc-status {c}")),
+                    None => return Err("collector answered without a grpc-status".into()),
+                }
+            }
+            Ok(())
         };
         match tokio::time::timeout(self.timeout, call).await {
             Ok(r) => r,
@@ -175,7 +213,7 @@ pub(super) fn start(s: &Settings, fixed: Fixed) -> Result<(Arc<SpanQueue>, Contr
     let (out_tx, out_rx) = mpsc::channel(OUTBOX);
     let (ctl_tx, ctl_rx) = mpsc::channel(4);
     let sender = Sender {
-        client: HyperClient::new(s.timeout),
+        client: HyperClient::new(s.timeout, s.protocol),
         headers: s.headers.clone(),
         traces,
         metrics: metrics_url,

@@ -79,7 +79,8 @@ pub fn install(s: &Settings) -> Result<(), String> {
     ON.store(true, Ordering::Release);
     tracing::info!(
         traces = %s.traces_endpoint, metrics = %s.metrics_endpoint,
-        "opentelemetry: exporting traces and metrics over OTLP/HTTP"
+        protocol = ?s.protocol,
+        "opentelemetry: exporting traces and metrics over OTLP"
     );
     Ok(())
 }

@@ -104,12 +104,31 @@ fn headers_resource_attributes_and_samplers_come_from_the_standard_variables() {
 }
 
 #[test]
+fn grpc_endpoints_name_the_collector_and_the_method_is_the_path() {
+    let none = OtlpCfg::default();
+    let e = env(&[
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4317/"),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+    ]);
+    let s = settings(&e, &none).unwrap().unwrap();
+    assert_eq!(s.protocol, super::Protocol::Grpc);
+    assert_eq!(
+        s.traces_endpoint,
+        "http://c:4317/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+    );
+    assert_eq!(
+        s.metrics_endpoint,
+        "http://c:4317/opentelemetry.proto.collector.metrics.v1.MetricsService/Export"
+    );
+}
+
+#[test]
 fn bad_settings_are_errors() {
     let none = OtlpCfg::default();
     for pairs in [
         vec![
             ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4317"),
-            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),
         ],
         vec![("OTEL_EXPORTER_OTLP_ENDPOINT", "c:4318")],
         vec![
