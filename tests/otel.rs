@@ -222,6 +222,14 @@ retry: {{max_attempts_per_job: 3, same_backend_retries: 0}}
     )
 }
 
+/// A one-line chat request carrying `traceparent`; its status.
+async fn say_hi(sc: &Sidecar, traceparent: &str) -> u16 {
+    let body = j!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]});
+    post_json(&sc.chat_url(), &body, &[("traceparent", traceparent)])
+        .await
+        .0
+}
+
 /// `tollgate_otel_dropped_spans_total{reason}` now (process-wide: compare before and after).
 fn dropped(reason: &str) -> f64 {
     tollgate::telemetry::global()
@@ -429,13 +437,7 @@ async fn an_unsampled_trace_exports_no_span_but_still_counts_and_propagates_its_
     let sc = Sidecar::start(&chain_yaml(&up, &up)).await;
     // The caller did not sample its trace: the parent-based sampler follows it.
     let tp = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-00");
-    let (st, _, _) = post_json(
-        &sc.chat_url(),
-        &j!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}),
-        &[("traceparent", tp.as_str())],
-    )
-    .await;
-    assert_eq!(st, 200);
+    assert_eq!(say_hi(&sc, &tp).await, 200);
     otel::flush(Duration::from_secs(10)).await;
     let got = std::mem::take(&mut *rx.got.lock().unwrap());
     assert!(
@@ -574,12 +576,6 @@ async fn off_the_clients_trace_headers_pass_through_unchanged() {
     let up = MockUpstream::start(vec![]).await;
     let sc = Sidecar::start(&chain_yaml(&up, &up)).await;
     let tp = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01");
-    let (s, _, _) = post_json(
-        &sc.chat_url(),
-        &j!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}),
-        &[("traceparent", tp.as_str())],
-    )
-    .await;
-    assert_eq!(s, 200);
+    assert_eq!(say_hi(&sc, &tp).await, 200);
     assert_eq!(up.requests()[0].header("traceparent"), Some(tp.as_str()));
 }

@@ -77,44 +77,31 @@ impl Writer<'_> {
     /// A nested message: its bytes are written in place, then its length is put in front
     /// (one byte reserved; longer lengths move the message up).
     pub fn message(&mut self, field: u32, body: impl FnOnce(&mut Writer<'_>)) {
-        self.key(field, LEN);
-        let at = self.0.len();
-        self.0.push(0);
-        body(&mut Writer(self.0));
-        let len = self.0.len() - at - 1;
-        let n = varint_len(len as u64);
-        if n > 1 {
-            let end = self.0.len();
-            self.0.resize(end + n - 1, 0);
-            self.0.copy_within(at + 1..end, at + n);
-        }
-        let mut l = len as u64;
-        for i in 0..n {
-            let more = if i + 1 < n { 0x80 } else { 0 };
-            self.0[at + i] = (l as u8 & 0x7f) | more;
-            l >>= 7;
-        }
+        self.nested(field, 1, body);
     }
 
     /// A nested message expected to be 128 to 16,383 bytes long (a span): two bytes are
     /// reserved for its length, so only a message outside that range is moved.
     pub fn message_2(&mut self, field: u32, body: impl FnOnce(&mut Writer<'_>)) {
+        self.nested(field, 2, body);
+    }
+
+    /// Writes `body` after `reserved` bytes, then its length into them, moving the body when
+    /// the length's varint takes more or fewer bytes.
+    fn nested(&mut self, field: u32, reserved: usize, body: impl FnOnce(&mut Writer<'_>)) {
         self.key(field, LEN);
         let at = self.0.len();
-        self.0.extend_from_slice(&[0, 0]);
+        self.0.resize(at + reserved, 0);
         body(&mut Writer(self.0));
         let end = self.0.len();
-        let len = end - at - 2;
+        let len = end - at - reserved;
         let n = varint_len(len as u64);
-        if n != 2 {
-            // 1 byte: move down by one; 3 or more: move up.
-            if n < 2 {
-                self.0.copy_within(at + 2..end, at + 1);
-                self.0.truncate(end - 1);
-            } else {
-                self.0.resize(end + n - 2, 0);
-                self.0.copy_within(at + 2..end, at + n);
-            }
+        if n < reserved {
+            self.0.copy_within(at + reserved..end, at + n);
+            self.0.truncate(end - (reserved - n));
+        } else if n > reserved {
+            self.0.resize(end + n - reserved, 0);
+            self.0.copy_within(at + reserved..end, at + n);
         }
         let mut l = len as u64;
         for i in 0..n {
