@@ -547,21 +547,14 @@ async fn a_collector_that_never_answers_slows_and_fails_nothing() {
     // Spans were dropped, and counted: the queue (2) overflowed, exports timed out.
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let text = tollgate::telemetry::global().render();
-        let count = |reason: &str| -> f64 {
-            text.lines()
-                .find(|l| {
-                    l.starts_with("tollgate_otel_dropped_spans_total")
-                        && l.contains(&format!("reason=\"{reason}\""))
-                })
-                .and_then(|l| l.rsplit(' ').next())
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0.0)
-        };
-        if count("queue_full") > 0.0 && count("export_failed") > 0.0 {
+        if dropped("queue_full") > 0.0 && dropped("export_failed") > 0.0 {
             break;
         }
-        assert!(Instant::now() < deadline, "drops not counted:\n{text}");
+        assert!(
+            Instant::now() < deadline,
+            "drops not counted:\n{}",
+            tollgate::telemetry::global().render()
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     otel::shutdown(Duration::from_millis(500)).await;
