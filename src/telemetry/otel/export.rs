@@ -609,9 +609,7 @@ struct ClientKey {
 }
 
 fn served_provider(f: &Finished) -> &'static str {
-    f.served
-        .and_then(|i| f.attempts.get(i))
-        .map_or("", |a| a.provider)
+    f.served().map_or("", |a| a.provider)
 }
 
 impl Blocks {
@@ -652,7 +650,7 @@ impl Blocks {
                 if !d.route.is_empty() {
                     w.attr_str(A, "gen_ai.request.model", &d.route);
                 }
-                if f.served.is_some() {
+                if f.served().is_some() {
                     w.attr_str(A, "gen_ai.provider.name", served_provider(f));
                 }
                 for (k, v) in STATE_KEYS.iter().zip(d.states) {
@@ -739,7 +737,7 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished)
                 sat(d.requested_output_tokens),
             );
         }
-        if f.served.is_some() {
+        if f.served().is_some() {
             answer_attrs(w, f);
         }
         w.attr_str(A, "tollgate.request_id", &d.request_id);
@@ -754,8 +752,7 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished)
             error_status(w, d.reason());
         }
     });
-    for (i, a) in f.attempts.iter().enumerate() {
-        let served = f.served == Some(i);
+    for a in &f.attempts {
         span(out, |w| {
             head(
                 w,
@@ -772,9 +769,7 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished)
             w.attr_int(A, "tollgate.attempt", i64::from(a.attempt));
             let error: Option<&str> = match a.outcome {
                 Outcome::Served => {
-                    if served {
-                        answer_attrs(w, f);
-                    }
+                    answer_attrs(w, f);
                     w.attr_int(A, "http.response.status_code", i64::from(d.http_status));
                     None
                 }
@@ -845,7 +840,6 @@ mod tests {
                 first_chunk: None,
                 outcome: Outcome::Served,
             }],
-            served: Some(0),
             decision: Decision {
                 states: ["ALLOW", "OK", "a", "b", "c", "d", "e", "f"],
                 http_status: 200,

@@ -158,8 +158,8 @@ impl Aggregates {
 
     /// Adds what one finished request measured (sampled or not: metrics count every request).
     pub fn observe(&mut self, f: &Finished) {
-        for (i, a) in f.attempts.iter().enumerate() {
-            let served = f.served == Some(i);
+        for a in &f.attempts {
+            let served = a.outcome == Outcome::Served;
             let error = match a.outcome {
                 Outcome::Served => None,
                 Outcome::Failed(class, _) => Some(ErrorType::Class(class)),

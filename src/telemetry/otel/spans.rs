@@ -204,9 +204,16 @@ pub(crate) struct Finished {
     pub path: &'static str,
     pub notes: Notes,
     pub attempts: Vec<AttemptDone>,
-    /// Index in `attempts` of the served one.
-    pub served: Option<usize>,
     pub decision: Decision,
+}
+
+impl Finished {
+    /// The attempt that served, if one did: the last, ended with the request.
+    pub fn served(&self) -> Option<&AttemptDone> {
+        self.attempts
+            .last()
+            .filter(|a| a.outcome == Outcome::Served)
+    }
 }
 
 /// The semconv `gen_ai.provider.name` of a backend kind.
@@ -283,9 +290,7 @@ impl RequestTrace {
     /// export (dropped and counted when the queue is full).
     pub fn finish(mut self, entry: &Entry) {
         let end_ns = now_ns();
-        let mut served = None;
         if let Some(a) = self.served.take() {
-            served = Some(self.attempts.len());
             self.attempts.push(a.done(end_ns, Outcome::Served));
         }
         let f = Finished {
@@ -298,7 +303,6 @@ impl RequestTrace {
             path: self.path,
             notes: self.notes,
             attempts: self.attempts,
-            served,
             decision: Decision::of(&entry.record),
         };
         self.otel.queue.push(f);
