@@ -239,10 +239,12 @@ budgets:
         );
         let left = got;
         let reset = hdr(&h, "x-ratelimit-reset-tokens").unwrap();
-        let secs: u64 = reset
-            .strip_suffix('s')
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| panic!("{reset}"));
+        // OpenAI's duration form: `52s`, or `1m0s` when a fresh minute window has a full
+        // 60 s left (the first second of the minute).
+        let secs: u64 = match reset.strip_suffix('s').unwrap_or_else(|| panic!("{reset}")) {
+            "1m0" => 60,
+            s => s.parse().unwrap_or_else(|_| panic!("{reset}")),
+        };
         assert!(secs <= 60, "{reset}");
         let policy = hdr(&h, "ratelimit-policy").unwrap();
         assert_eq!(
