@@ -241,10 +241,9 @@ budgets:
         let reset = hdr(&h, "x-ratelimit-reset-tokens").unwrap();
         // OpenAI's duration form: `52s`, or `1m0s` when a fresh minute window has a full
         // 60 s left (the first second of the minute).
-        let secs: u64 = match reset.strip_suffix('s').unwrap_or_else(|| panic!("{reset}")) {
-            "1m0" => 60,
-            s => s.parse().unwrap_or_else(|_| panic!("{reset}")),
-        };
+        let secs = tollgate::providers::retry_after::parse_go_duration(reset)
+            .unwrap_or_else(|| panic!("{reset}"))
+            / 1000;
         assert!(secs <= 60, "{reset}");
         let policy = hdr(&h, "ratelimit-policy").unwrap();
         assert_eq!(

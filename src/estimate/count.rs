@@ -144,7 +144,7 @@ impl<'a> PieceCache<'a> {
         let mask = self.slots.len().wrapping_sub(1);
         let slot = self.slots.get_mut(vocab::hash_piece(piece) as usize & mask);
         if let Some(Some((key, n))) = slot.as_deref() {
-            if super::ranks::same_bytes(key, piece) {
+            if vocab::same_bytes(key, piece) {
                 return u64::from(*n);
             }
         }

@@ -14,7 +14,7 @@
 //! candidate pairs, so a crafted 1 MB "word" costs O(n log n), not O(n²). Tests check both
 //! against the `bpe-openai` library on random input.
 
-use super::vocab::hash_piece;
+use super::vocab::{hash_piece, same_bytes};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
@@ -252,31 +252,6 @@ impl Ranks {
     }
 }
 
-/// Byte equality of two short strings with word loads instead of a `memcmp` call (tokens and
-/// pieces are mostly under 16 bytes); longer ones fall back to the slice comparison.
-#[inline]
-pub(crate) fn same_bytes(a: &[u8], b: &[u8]) -> bool {
-    let n = a.len();
-    if n != b.len() {
-        return false;
-    }
-    let w8 = |s: &[u8], i: usize| {
-        s.get(i..i + 8)
-            .map(|w| u64::from_le_bytes(w.try_into().unwrap_or([0; 8])))
-    };
-    let w4 = |s: &[u8], i: usize| {
-        s.get(i..i + 4)
-            .map(|w| u32::from_le_bytes(w.try_into().unwrap_or([0; 4])))
-    };
-    match n {
-        0 => true,
-        1..=3 => a.first() == b.first() && a.get(n / 2) == b.get(n / 2) && a.last() == b.last(),
-        4..=7 => w4(a, 0) == w4(b, 0) && w4(a, n - 4) == w4(b, n - 4),
-        8..=16 => w8(a, 0) == w8(b, 0) && w8(a, n - 8) == w8(b, n - 8),
-        _ => a == b,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -308,7 +283,7 @@ mod tests {
             };
             let r = ours(tok);
             assert_eq!(r.len(), lib.bpe.num_tokens());
-            // Every token (the pair table and the hashed one both).
+            // Every token, through the hash table.
             for id in 0..r.len() as u32 {
                 assert_eq!(r.token(id), lib.bpe.token_bytes(id));
                 assert_eq!(r.rank(lib.bpe.token_bytes(id)), Some(id));
@@ -346,36 +321,18 @@ mod tests {
     }
 
     #[test]
-    fn short_byte_equality_sees_every_byte() {
-        for n in 0..40usize {
-            let a: Vec<u8> = (0..n as u8).map(|i| i.wrapping_mul(37) ^ 0x5A).collect();
-            assert!(same_bytes(&a, &a.clone()), "{n}");
-            for i in 0..n {
-                let mut b = a.clone();
-                b[i] ^= 0x01;
-                assert!(!same_bytes(&a, &b), "len {n}, byte {i}");
-            }
-            let mut longer = a.clone();
-            longer.push(0);
-            assert!(!same_bytes(&a, &longer), "{n}");
-        }
-    }
-
-    #[test]
     fn two_byte_pieces_rank_the_same_from_the_pair_table_and_the_hash_table() {
-        let r = ours(Tokenizer::O200k);
-        // Every two-byte token answers from the pair table and from the hash table alike.
-        for id in 0..r.len() as u32 {
-            let t = r.token(id);
-            if t.len() == 2 {
-                assert_eq!(r.rank_or_max(t), r.rank(t).unwrap_or(EMPTY), "{t:?}");
+        for tok in [Tokenizer::O200k, Tokenizer::Cl100k] {
+            let r = ours(tok);
+            // Every pair of bytes, token or not, answers alike from both tables.
+            for a in 0..=255u8 {
+                for b in 0..=255u8 {
+                    let t = [a, b];
+                    assert_eq!(r.rank_or_max(&t), r.rank(&t).unwrap_or(EMPTY), "{t:?}");
+                }
             }
+            assert_eq!(r.rank(&[b'x'; 256]), None);
         }
-        assert_eq!(r.rank(&[b'x'; 256]), None);
-        assert_eq!(
-            r.rank_or_max(b"\xFF\xFE"),
-            r.rank(b"\xFF\xFE").unwrap_or(EMPTY)
-        );
     }
 
     #[test]

@@ -43,3 +43,41 @@ fn load4(b: &[u8], i: usize) -> u64 {
         .and_then(|w| w.try_into().ok())
         .map_or(0, |w| u64::from(u32::from_le_bytes(w)))
 }
+
+/// Byte equality of two short strings with the same word loads as [`hash_piece`] instead of a
+/// `memcmp` call (tokens and pieces are mostly under 16 bytes); longer ones compare as slices.
+#[inline]
+pub(crate) fn same_bytes(a: &[u8], b: &[u8]) -> bool {
+    let n = a.len();
+    if n != b.len() {
+        return false;
+    }
+    match n {
+        0 => true,
+        1..=3 => a.first() == b.first() && a.get(n / 2) == b.get(n / 2) && a.last() == b.last(),
+        4..=7 => load4(a, 0) == load4(b, 0) && load4(a, n - 4) == load4(b, n - 4),
+        8..=16 => load8(a, 0) == load8(b, 0) && load8(a, n - 8) == load8(b, n - 8),
+        _ => a == b,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_byte_equality_sees_every_byte() {
+        for n in 0..40usize {
+            let a: Vec<u8> = (0..n as u8).map(|i| i.wrapping_mul(37) ^ 0x5A).collect();
+            assert!(same_bytes(&a, &a.clone()), "{n}");
+            for i in 0..n {
+                let mut b = a.clone();
+                b[i] ^= 0x01;
+                assert!(!same_bytes(&a, &b), "len {n}, byte {i}");
+            }
+            let mut longer = a.clone();
+            longer.push(0);
+            assert!(!same_bytes(&a, &longer), "{n}");
+        }
+    }
+}
