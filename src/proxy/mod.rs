@@ -9,6 +9,7 @@ pub mod identity;
 mod limit_headers;
 pub mod limits_view;
 pub mod persist;
+pub mod pool;
 mod pump;
 pub mod redact;
 pub mod respond;

@@ -3,6 +3,7 @@
 //! what the governor understands. The upstream URL comes only from the policy.
 
 use super::respond::is_hop_by_hop;
+use super::pool::{Lease, Pools};
 use super::snapshot::Snapshot;
 use crate::estimate::Endpoint;
 use crate::governor::{CallResult, CallSpec, Failure, FailureClass, Skip, Upstream};
@@ -33,9 +34,12 @@ const MAX_UPSTREAM_BODY: usize = 64 * 1024 * 1024;
 /// Largest error body read to find a retry delay.
 const MAX_ERROR_BODY: usize = 256 * 1024;
 
-/// Pooled clients, one per connect timeout (the connector carries it). Survives reloads.
+/// The upstream connections: cleartext HTTP/1 upstreams on the own pools (`pool.rs`), TLS ones
+/// on hyper-util's pooled clients, one per connect timeout (the connector carries it).
+/// Survives reloads.
 #[derive(Default)]
 pub struct Transport {
+    h1: Pools,
     clients: DashMap<u64, HttpClient, foldhash::quality::RandomState>,
     /// Calls in flight per backend id, for backends with `max_in_flight`.
     in_flight: DashMap<Arc<str>, Arc<AtomicU32>, foldhash::quality::RandomState>,
@@ -52,6 +56,31 @@ impl std::fmt::Debug for Transport {
 impl Transport {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Cleartext HTTP/1 upstreams' idle connections to `authority` (for tests and status).
+    pub fn idle_connections(&self, authority: &str) -> usize {
+        self.h1.idle(authority)
+    }
+
+    /// Sends a request and gives back the answer's head; for a cleartext upstream, with the
+    /// connection's lease, to be held while its body is read.
+    async fn send(
+        &self,
+        req: Request<Full<Bytes>>,
+        connect: Duration,
+    ) -> Result<(hyper::Response<Incoming>, Option<Lease>), ()> {
+        if req.uri().scheme() == Some(&http::uri::Scheme::HTTP) {
+            return match self.h1.send(req, connect).await {
+                Ok((r, lease)) => Ok((r, Some(lease))),
+                Err(_) => Err(()),
+            };
+        }
+        self.client(connect)
+            .request(req)
+            .await
+            .map(|r| (r, None))
+            .map_err(|_| ())
     }
 
     fn client(&self, connect: Duration) -> HttpClient {
@@ -349,14 +378,15 @@ impl Call<'_> {
         if let Some(s) = span {
             s.inject(req.headers_mut());
         }
-        let client = self.transport.client(t.connect);
         let first_byte = t.first_byte.min(t.total);
-        let resp = match tokio::time::timeout(first_byte, client.request(req)).await {
-            Err(_) => return failure(FailureClass::Timeout, None, None),
-            Ok(Err(e)) if e.is_connect() => return failure(FailureClass::Connect, None, None),
-            Ok(Err(_)) => return failure(FailureClass::Connect, None, None),
-            Ok(Ok(r)) => r,
-        };
+        // The lease (a cleartext upstream's connection) goes back to its pool when dropped:
+        // at once after a buffered body is read, once idle after a stream.
+        let (resp, lease) =
+            match tokio::time::timeout(first_byte, self.transport.send(req, t.connect)).await {
+                Err(_) => return failure(FailureClass::Timeout, None, None),
+                Ok(Err(())) => return failure(FailureClass::Connect, None, None),
+                Ok(Ok(r)) => r,
+            };
         let (parts, incoming) = resp.into_parts();
         let status = parts.status;
         let mut headers = parts.headers;
@@ -458,6 +488,7 @@ impl Call<'_> {
             // Headers came but the body broke: nothing reached the client, so fail over.
             Err(class) => return failure(class, Some(status.as_u16()), None),
         };
+        drop(lease);
         drop(permit);
         if let Some(n) = self.passed(wire) {
             // The client gets the native answer; its internal form is read for usage.

@@ -1,0 +1,205 @@
+//! The own keep-alive pool for cleartext HTTP/1 upstreams (`tollgate::proxy::pool`), against a
+//! raw TCP upstream that counts its connections and can close them behind the pool's back.
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::{BodyExt, Full};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tollgate::proxy::pool::Pools;
+
+const ANSWER: &str = "{\"ok\":true}";
+
+/// How the upstream treats a connection after each answer.
+#[derive(Clone, Copy)]
+enum After {
+    KeepAlive,
+    /// Closes it without saying so (no `Connection: close`): the idle connection goes stale.
+    SilentClose,
+    /// Sends the body in two writes some time apart (a slow body).
+    SlowBody,
+}
+
+struct Upstream {
+    addr: std::net::SocketAddr,
+    accepted: Arc<AtomicUsize>,
+}
+
+async fn upstream(after: After) -> Upstream {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = l.accept().await else {
+                return;
+            };
+            count.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    // One request: its head and its Content-Length body.
+                    let Some(end) = find(&buf, b"\r\n\r\n") else {
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                        continue;
+                    };
+                    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                    let len: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .map_or(0, |v| v.trim().parse().unwrap());
+                    while buf.len() < end + 4 + len {
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    assert!(head.contains("\r\nhost: 127.0.0.1:"), "{head}");
+                    assert!(head.starts_with("post /v1/chat/completions http/1.1"), "{head}");
+                    buf.drain(..end + 4 + len);
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                        ANSWER.len()
+                    );
+                    match after {
+                        After::SlowBody => {
+                            let (a, b) = ANSWER.split_at(4);
+                            let _ = s.write_all(format!("{head}{a}").as_bytes()).await;
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            let _ = s.write_all(b.as_bytes()).await;
+                        }
+                        _ => {
+                            let _ = s.write_all(format!("{head}{ANSWER}").as_bytes()).await;
+                        }
+                    }
+                    if let After::SilentClose = after {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    Upstream { addr, accepted }
+}
+
+fn find(h: &[u8], n: &[u8]) -> Option<usize> {
+    h.windows(n.len()).position(|w| w == n)
+}
+
+fn request(addr: std::net::SocketAddr) -> Request<Full<Bytes>> {
+    Request::post(format!("http://{addr}/v1/chat/completions"))
+        .body(Full::new(Bytes::from_static(b"{\"model\":\"m\"}")))
+        .unwrap()
+}
+
+async fn call(pools: &Pools, addr: std::net::SocketAddr) -> Bytes {
+    let (resp, lease) = pools
+        .send(request(addr), Duration::from_secs(2))
+        .await
+        .expect("an answer");
+    assert_eq!(resp.status(), 200);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    drop(lease);
+    body
+}
+
+#[tokio::test]
+async fn sequential_requests_share_one_connection() {
+    let up = upstream(After::KeepAlive).await;
+    let pools = Pools::default();
+    for _ in 0..20 {
+        assert_eq!(call(&pools, up.addr).await, ANSWER);
+    }
+    assert_eq!(up.accepted.load(Ordering::SeqCst), 1);
+    assert_eq!(pools.idle(&up.addr.to_string()), 1);
+}
+
+#[tokio::test]
+async fn concurrent_requests_open_at_most_one_connection_each_and_all_come_back() {
+    let up = upstream(After::KeepAlive).await;
+    let pools = Arc::new(Pools::default());
+    for _round in 0..3 {
+        let tasks: Vec<_> = (0..8)
+            .map(|_| {
+                let pools = pools.clone();
+                tokio::spawn(async move { call(&pools, up.addr).await })
+            })
+            .collect();
+        for t in tasks {
+            assert_eq!(t.await.unwrap(), ANSWER);
+        }
+    }
+    let accepted = up.accepted.load(Ordering::SeqCst);
+    assert!((1..=8).contains(&accepted), "{accepted} connections");
+    assert_eq!(pools.idle(&up.addr.to_string()), accepted);
+}
+
+#[tokio::test]
+async fn a_connection_the_upstream_closed_is_not_reused() {
+    let up = upstream(After::SilentClose).await;
+    let pools = Pools::default();
+    for i in 1..=5 {
+        assert_eq!(call(&pools, up.addr).await, ANSWER);
+        // Give the connection's driver time to see the close.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(up.accepted.load(Ordering::SeqCst), i);
+    }
+}
+
+#[tokio::test]
+async fn a_lease_dropped_before_its_body_is_read_comes_back_once_idle() {
+    let up = upstream(After::SlowBody).await;
+    let pools = Pools::default();
+    let (resp, lease) = pools
+        .send(request(up.addr), Duration::from_secs(2))
+        .await
+        .unwrap();
+    // As a stream's lease: dropped while the body is still arriving.
+    drop(lease);
+    assert_eq!(pools.idle(&up.addr.to_string()), 0);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, ANSWER);
+    for _ in 0..100 {
+        if pools.idle(&up.addr.to_string()) == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(pools.idle(&up.addr.to_string()), 1);
+    assert_eq!(call(&pools, up.addr).await, ANSWER);
+    assert_eq!(up.accepted.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_body_dropped_unread_closes_its_connection() {
+    let up = upstream(After::SlowBody).await;
+    let pools = Pools::default();
+    let (resp, lease) = pools
+        .send(request(up.addr), Duration::from_secs(2))
+        .await
+        .unwrap();
+    drop(resp);
+    drop(lease);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(pools.idle(&up.addr.to_string()), 0);
+    assert_eq!(call(&pools, up.addr).await, ANSWER);
+    assert_eq!(up.accepted.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn nothing_listening_is_a_connect_error() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    drop(l);
+    let pools = Pools::default();
+    let r = pools.send(request(addr), Duration::from_secs(1)).await;
+    assert!(matches!(r, Err(tollgate::proxy::pool::SendError::Connect)));
+}
