@@ -8,15 +8,18 @@ trap cleanup EXIT
 nginx -c "$PWD/bench/nginx-mock.conf" -p /tmp & pids+=($!)
 
 # send PORT COUNT: COUNT sequential POSTs on one keep-alive connection; fails on a non-200.
+# VARY=1: each request's user message ends in a number of its own (no text seen before).
 send() {
-  python3 - "$1" "$2" <<'PY'
-import http.client, sys
+  VARY=${VARY:-} python3 - "$1" "$2" <<'PY'
+import http.client, os, random, sys
 port, n = int(sys.argv[1]), int(sys.argv[2])
-body = open("bench/post.lua").read().split("wrk.body = '", 1)[1].split("'\n", 1)[0].encode()
+body = open("bench/post.lua").read().split("wrk.body = '", 1)[1].split("'\n", 1)[0]
+vary = bool(os.environ.get("VARY"))
 hdrs = {"Content-Type": "application/json", "x-tollgate-consumer": "bench"}
 c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
 for _ in range(n):
-    c.request("POST", "/v1/chat/completions", body, hdrs)
+    b = body.replace("two sentences.", "two sentences. %d" % random.getrandbits(40)) if vary else body
+    c.request("POST", "/v1/chat/completions", b.encode(), hdrs)
     r = c.getresponse(); r.read()
     if r.status != 200: sys.exit(f"status {r.status}")
 PY

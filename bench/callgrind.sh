@@ -6,6 +6,7 @@
 # requests (the bench request of bench/post.lua) are sent, and the dump's total is divided by N.
 #   bench/callgrind.sh                     (N=500; POLICY=bench/policy.yaml; needs nginx, valgrind)
 #   POLICY=bench/policy-default.yaml bench/callgrind.sh     (the SQLite default-state target)
+#   VARY=1 bench/callgrind.sh             (every request's prompt differs: no count from the memo)
 #   KEEP=1 bench/callgrind.sh             (keep the dumps in /tmp/tollgate-cg/ for callgrind_annotate)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -2,9 +2,10 @@
 //! since every request pays it before being forwarded. Kept short (3 s per case) so the whole
 //! bench finishes in well under 30 s.
 
-use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
+use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use serde_json::{json, Value};
 use std::time::Duration;
+use tollgate::estimate::count::forget_counts;
 use tollgate::estimate::{estimate, warm_up, Endpoint, Tokenizer};
 
 #[rustfmt::skip]
@@ -129,6 +130,21 @@ fn bench(c: &mut Criterion) {
         ("cl100k", Tokenizer::Cl100k),
         ("chars", Tokenizer::Chars),
     ] {
+        // Each text seen for the first time: the memo of counts is emptied before each run.
+        g.bench_function(name, |b| {
+            b.iter_batched(
+                forget_counts,
+                |()| estimate(Endpoint::Chat, black_box(&big), tok),
+                BatchSize::PerIteration,
+            )
+        });
+    }
+    g.finish();
+
+    // The same body again (a chat's history resent): the texts' counts come from the memo.
+    let mut g = c.benchmark_group("chat_100KB_seen");
+    g.throughput(Throughput::Bytes(100 * 1024));
+    for (name, tok) in [("o200k", Tokenizer::O200k), ("cl100k", Tokenizer::Cl100k)] {
         g.bench_function(name, |b| {
             b.iter(|| estimate(Endpoint::Chat, black_box(&big), tok))
         });
@@ -166,6 +182,13 @@ fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("chat_200B");
     for (name, tok) in [("o200k", Tokenizer::O200k), ("cl100k", Tokenizer::Cl100k)] {
         g.bench_function(name, |b| {
+            b.iter_batched(
+                forget_counts,
+                |()| estimate(Endpoint::Chat, black_box(&small), tok),
+                BatchSize::PerIteration,
+            )
+        });
+        g.bench_function(format!("{name}_seen"), |b| {
             b.iter(|| estimate(Endpoint::Chat, black_box(&small), tok))
         });
     }

@@ -63,7 +63,10 @@ async fn upstream(after: After) -> Upstream {
                         }
                     }
                     assert!(head.contains("\r\nhost: 127.0.0.1:"), "{head}");
-                    assert!(head.starts_with("post /v1/chat/completions http/1.1"), "{head}");
+                    assert!(
+                        head.starts_with("post /v1/chat/completions http/1.1"),
+                        "{head}"
+                    );
                     buf.drain(..end + 4 + len);
                     let head = format!(
                         "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",

@@ -14,7 +14,7 @@
 
 use super::ranks::Ranks;
 use super::tables::{tables, Tables};
-use super::{pretok, vocab};
+use super::{memo, pretok, vocab};
 use crate::estimate::Tokenizer;
 
 /// Characters per token assumed by [`Tokenizer::Chars`] and by the JSON-length fallback.
@@ -32,12 +32,30 @@ pub fn count_text(tok: Tokenizer, s: &str) -> u64 {
     }
     match tok {
         Tokenizer::O200k | Tokenizer::Cl100k => match tables(tok) {
-            Some(t) if offloads(s.len()) => tokio::task::block_in_place(|| bpe_count(t, tok, s)),
+            Some(t) if s.len() >= memo::MIN_TEXT => {
+                memo::memo().count(tok as u8, s.as_bytes(), || bpe_count_here(t, tok, s))
+            }
             Some(t) => bpe_count(t, tok, s),
             None => chars_to_tokens(to_u64(s.chars().count())),
         },
         Tokenizer::Chars => chars_to_tokens(to_u64(s.chars().count())),
     }
+}
+
+/// [`bpe_count`], off the async worker for a large text ([`offloads`]).
+fn bpe_count_here(t: &'static Tables, kind: Tokenizer, s: &str) -> u64 {
+    if offloads(s.len()) {
+        tokio::task::block_in_place(|| bpe_count(t, kind, s))
+    } else {
+        bpe_count(t, kind, s)
+    }
+}
+
+/// Forgets every count the process-wide memo holds, so the next estimates count from scratch
+/// (benchmarks of the first sight of a text).
+#[doc(hidden)]
+pub fn forget_counts() {
+    memo::memo().clear();
 }
 
 /// Number of tokens in response text, for when a provider reports no `usage` (an interrupted

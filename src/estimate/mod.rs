@@ -18,6 +18,7 @@ mod chat;
 pub mod count;
 mod error;
 pub mod images;
+mod memo;
 mod pretok;
 mod prompt;
 mod ranks;

@@ -167,10 +167,7 @@ impl Pools {
             };
             match tx.try_send_request(req).await {
                 Ok(resp) => {
-                    let lease = Lease {
-                        tx: Some(tx),
-                        pool,
-                    };
+                    let lease = Lease { tx: Some(tx), pool };
                     return Ok((resp, lease));
                 }
                 Err(mut e) => match e.take_message() {

@@ -2,8 +2,8 @@
 //! timeouts, the request rewritten for the chosen chain entry, and the answer classified into
 //! what the governor understands. The upstream URL comes only from the policy.
 
-use super::respond::is_hop_by_hop;
 use super::pool::{Lease, Pools};
+use super::respond::is_hop_by_hop;
 use super::snapshot::Snapshot;
 use crate::estimate::Endpoint;
 use crate::governor::{CallResult, CallSpec, Failure, FailureClass, Skip, Upstream};
