@@ -10,6 +10,13 @@ use crate::governor::{AttemptRecord, Record};
 use serde_json::ser::{CompactFormatter, Formatter};
 use std::io::{self, Write};
 
+/// A key as the line writes it: `"name":`.
+macro_rules! k {
+    ($name:literal) => {
+        concat!("\"", $name, "\":")
+    };
+}
+
 /// Writes `e` as one JSON object (no newline).
 pub fn write(out: &mut impl Write, e: &Entry) -> io::Result<()> {
     // Built in a buffer (small appends are cheap there) and handed to `out` in one write.
@@ -21,76 +28,79 @@ pub fn write(out: &mut impl Write, e: &Entry) -> io::Result<()> {
 fn fill(out: &mut Vec<u8>, e: &Entry) -> io::Result<()> {
     let mut w = Line { out, first: true };
     w.out.write_all(b"{")?;
-    w.text("ts", &e.ts)?;
-    w.text("endpoint", e.endpoint)?;
-    w.text("api", e.api)?;
-    w.f64("latency_ms", e.latency_ms)?;
+    w.text(k!("ts"), &e.ts)?;
+    w.text(k!("endpoint"), e.endpoint)?;
+    w.text(k!("api"), e.api)?;
+    w.f64(k!("latency_ms"), e.latency_ms)?;
     record(&mut w, &e.record)?;
     w.out.write_all(b"}")
 }
 
 fn record<W: Write>(w: &mut Line<'_, W>, r: &Record) -> io::Result<()> {
-    w.raw("budget_state", r.budget_state.as_str())?;
-    w.raw("quota_state", r.quota_state.as_str())?;
-    w.raw("circuit_state", r.circuit_state.as_str())?;
-    w.raw("retry_state", r.retry_state.as_str())?;
-    w.raw("usage_evidence_state", r.usage_evidence_state.as_str())?;
-    w.raw("fallback_state", r.fallback_state.as_str())?;
-    w.raw("final_action", r.final_action.as_str())?;
-    w.raw("reason_class", r.reason_class.as_str())?;
-    w.int("http_status", u64::from(r.http_status))?;
+    w.raw(k!("budget_state"), r.budget_state.as_str())?;
+    w.raw(k!("quota_state"), r.quota_state.as_str())?;
+    w.raw(k!("circuit_state"), r.circuit_state.as_str())?;
+    w.raw(k!("retry_state"), r.retry_state.as_str())?;
+    w.raw(k!("usage_evidence_state"), r.usage_evidence_state.as_str())?;
+    w.raw(k!("fallback_state"), r.fallback_state.as_str())?;
+    w.raw(k!("final_action"), r.final_action.as_str())?;
+    w.raw(k!("reason_class"), r.reason_class.as_str())?;
+    w.int(k!("http_status"), u64::from(r.http_status))?;
     if let Some(v) = r.retry_after {
-        w.int("retry_after", v)?;
+        w.int(k!("retry_after"), v)?;
     }
-    w.array("calls", &r.calls, |out, c| string(out, c))?;
+    w.array(k!("calls"), &r.calls, |out, c| string(out, c))?;
     if let Some(v) = r.upstream_max_tokens {
-        w.int("upstream_max_tokens", v)?;
+        w.int(k!("upstream_max_tokens"), v)?;
     }
-    w.text("policy_version", &r.policy_version)?;
-    w.text("request_id", &r.request_id)?;
-    w.text("job_id", &r.job_id)?;
-    w.text("consumer_id", &r.consumer_id)?;
+    w.text(k!("policy_version"), &r.policy_version)?;
+    w.text(k!("request_id"), &r.request_id)?;
+    w.text(k!("job_id"), &r.job_id)?;
+    w.text(k!("consumer_id"), &r.consumer_id)?;
     if let Some(t) = &r.team {
-        w.text("team", t)?;
+        w.text(k!("team"), t)?;
     }
-    w.text("route", &r.route)?;
-    w.text("backend", &r.backend)?;
+    w.text(k!("route"), &r.route)?;
+    w.text(k!("backend"), &r.backend)?;
     if let Some(m) = &r.upstream_model {
-        w.text("upstream_model", m)?;
+        w.text(k!("upstream_model"), m)?;
     }
-    w.int("estimated_input_tokens", r.estimated_input_tokens)?;
-    w.int("requested_output_tokens", r.requested_output_tokens)?;
-    w.int("worst_case_tokens", r.worst_case_tokens)?;
-    w.f64("worst_case_usd", r.worst_case_usd)?;
-    w.int("actual_input_tokens", r.actual_input_tokens)?;
-    w.int("actual_output_tokens", r.actual_output_tokens)?;
-    w.int("actual_cached_input_tokens", r.actual_cached_input_tokens)?;
-    w.int("actual_cache_write_tokens", r.actual_cache_write_tokens)?;
-    w.f64("cost_usd", r.cost_usd)?;
-    w.int("job_attempts", u64::from(r.job_attempts))?;
-    w.int("retry_budget", u64::from(r.retry_budget))?;
-    w.int("job_fallbacks", u64::from(r.job_fallbacks))?;
-    w.f64("amplification", r.amplification)?;
+    w.int(k!("estimated_input_tokens"), r.estimated_input_tokens)?;
+    w.int(k!("requested_output_tokens"), r.requested_output_tokens)?;
+    w.int(k!("worst_case_tokens"), r.worst_case_tokens)?;
+    w.f64(k!("worst_case_usd"), r.worst_case_usd)?;
+    w.int(k!("actual_input_tokens"), r.actual_input_tokens)?;
+    w.int(k!("actual_output_tokens"), r.actual_output_tokens)?;
+    w.int(
+        k!("actual_cached_input_tokens"),
+        r.actual_cached_input_tokens,
+    )?;
+    w.int(k!("actual_cache_write_tokens"), r.actual_cache_write_tokens)?;
+    w.f64(k!("cost_usd"), r.cost_usd)?;
+    w.int(k!("job_attempts"), u64::from(r.job_attempts))?;
+    w.int(k!("retry_budget"), u64::from(r.retry_budget))?;
+    w.int(k!("job_fallbacks"), u64::from(r.job_fallbacks))?;
+    w.f64(k!("amplification"), r.amplification)?;
     if let Some(v) = r.remaining_tokens {
-        w.int("remaining_tokens", v)?;
+        w.int(k!("remaining_tokens"), v)?;
     }
-    w.array("attempts", &r.attempts, |out, a| attempt(out, a))?;
-    w.serde("refusals", &r.refusals)?;
+    w.array(k!("attempts"), &r.attempts, |out, a| attempt(out, a))?;
+    w.serde(k!("refusals"), &r.refusals)?;
     if let Some(l) = &r.limit {
-        w.serde("limit", l)?;
+        w.serde(k!("limit"), l)?;
     }
     if !r.alerts.is_empty() {
-        w.serde("alerts", &r.alerts)?;
+        w.serde(k!("alerts"), &r.alerts)?;
     }
     if let Some(e) = &r.error {
-        w.text("error", e)?;
+        w.text(k!("error"), e)?;
     }
     if r.usage_over_reservation {
-        w.key("usage_over_reservation")?;
+        w.key(k!("usage_over_reservation"))?;
         w.out.write_all(b"true")?;
     }
     if r.client_disconnected {
-        w.key("client_disconnected")?;
+        w.key(k!("client_disconnected"))?;
         w.out.write_all(b"true")?;
     }
     Ok(())
@@ -99,25 +109,25 @@ fn record<W: Write>(w: &mut Line<'_, W>, r: &Record) -> io::Result<()> {
 fn attempt(out: &mut impl Write, a: &AttemptRecord) -> io::Result<()> {
     let mut w = Line { out, first: true };
     w.out.write_all(b"{")?;
-    w.text("backend", &a.backend)?;
-    w.text("model", &a.model)?;
-    w.int("attempt", u64::from(a.attempt))?;
-    w.key("probe")?;
+    w.text(k!("backend"), &a.backend)?;
+    w.text(k!("model"), &a.model)?;
+    w.int(k!("attempt"), u64::from(a.attempt))?;
+    w.key(k!("probe"))?;
     w.out.write_all(if a.probe { b"true" } else { b"false" })?;
-    w.int("worst_tokens", a.worst_tokens)?;
-    w.f64("worst_cost_usd", a.worst_cost_usd)?;
-    w.int("max_output_tokens", a.max_output_tokens)?;
-    w.text("outcome", a.outcome)?;
+    w.int(k!("worst_tokens"), a.worst_tokens)?;
+    w.f64(k!("worst_cost_usd"), a.worst_cost_usd)?;
+    w.int(k!("max_output_tokens"), a.max_output_tokens)?;
+    w.text(k!("outcome"), a.outcome)?;
     if let Some(s) = a.status {
-        w.int("status", u64::from(s))?;
+        w.int(k!("status"), u64::from(s))?;
     }
     if let Some(v) = a.retry_after_ms {
-        w.int("retry_after_ms", v)?;
+        w.int(k!("retry_after_ms"), v)?;
     }
-    w.raw("circuit_before", a.circuit_before.as_str())?;
-    w.raw("circuit_after", a.circuit_after.as_str())?;
-    w.int("latency_ms", a.latency_ms)?;
-    w.int("waited_ms", a.waited_ms)?;
+    w.raw(k!("circuit_before"), a.circuit_before.as_str())?;
+    w.raw(k!("circuit_after"), a.circuit_after.as_str())?;
+    w.int(k!("latency_ms"), a.latency_ms)?;
+    w.int(k!("waited_ms"), a.waited_ms)?;
     w.out.write_all(b"}")
 }
 
@@ -128,37 +138,37 @@ struct Line<'a, W: Write> {
 }
 
 impl<W: Write> Line<'_, W> {
-    /// `"k":` (keys are literals of this file: nothing to escape), after a comma but first.
-    fn key(&mut self, k: &str) -> io::Result<()> {
+    /// `"k":` after a comma but first; `k` is the key already quoted (`k!`: a literal of this
+    /// file, nothing to escape), so it is one copy of a length known where it is inlined.
+    #[inline(always)]
+    fn key(&mut self, k: &'static str) -> io::Result<()> {
         if !self.first {
             self.out.write_all(b",")?;
         }
         self.first = false;
-        self.out.write_all(b"\"")?;
-        self.out.write_all(k.as_bytes())?;
-        self.out.write_all(b"\":")
+        self.out.write_all(k.as_bytes())
     }
 
     /// A closed-set value (an upper-case state name): written as it is.
-    fn raw(&mut self, k: &str, v: &'static str) -> io::Result<()> {
+    fn raw(&mut self, k: &'static str, v: &'static str) -> io::Result<()> {
         self.key(k)?;
         self.out.write_all(b"\"")?;
         self.out.write_all(v.as_bytes())?;
         self.out.write_all(b"\"")
     }
 
-    fn text(&mut self, k: &str, v: &str) -> io::Result<()> {
+    fn text(&mut self, k: &'static str, v: &str) -> io::Result<()> {
         self.key(k)?;
         string(self.out, v)
     }
 
-    fn int(&mut self, k: &str, v: impl itoa::Integer) -> io::Result<()> {
+    fn int(&mut self, k: &'static str, v: impl itoa::Integer) -> io::Result<()> {
         self.key(k)?;
         self.out.write_all(itoa::Buffer::new().format(v).as_bytes())
     }
 
     /// As `serde_json` writes an `f64`: shortest round-trip digits, `null` when not finite.
-    fn f64(&mut self, k: &str, v: f64) -> io::Result<()> {
+    fn f64(&mut self, k: &'static str, v: f64) -> io::Result<()> {
         self.key(k)?;
         if v.is_finite() {
             CompactFormatter.write_f64(self.out, v)
@@ -170,7 +180,7 @@ impl<W: Write> Line<'_, W> {
     /// `"k":[…]`, each item written by `item`.
     fn array<T>(
         &mut self,
-        k: &str,
+        k: &'static str,
         items: &[T],
         item: impl Fn(&mut W, &T) -> io::Result<()>,
     ) -> io::Result<()> {
@@ -185,7 +195,7 @@ impl<W: Write> Line<'_, W> {
         self.out.write_all(b"]")
     }
 
-    fn serde(&mut self, k: &str, v: &impl serde::Serialize) -> io::Result<()> {
+    fn serde(&mut self, k: &'static str, v: &impl serde::Serialize) -> io::Result<()> {
         self.key(k)?;
         serde_json::to_writer(&mut *self.out, v).map_err(io::Error::other)
     }
