@@ -240,6 +240,10 @@ pub(super) fn start(s: &Settings, fixed: Fixed) -> Result<(Arc<SpanQueue>, Contr
     Ok((queue, Control(ctl_tx)))
 }
 
+/// Room left in a batch's buffer below which it is handed off before the next request's spans
+/// are added (a request with a few attempts encodes to a few KiB).
+const ROOM_PER_REQUEST: usize = 8 * 1024;
+
 struct Worker {
     queue: Arc<SpanQueue>,
     out: mpsc::Sender<Out>,
@@ -299,15 +303,19 @@ impl Worker {
         while let Some(f) = self.queue.q.pop() {
             self.aggregates.observe(&f);
             if f.ids.sampled {
+                if self.spans.capacity() - self.spans.len() < ROOM_PER_REQUEST && self.in_batch > 0
+                {
+                    // Out of the room reserved: sent as it is rather than copied to grow.
+                    self.hand_off(wait).await;
+                }
                 if self.spans.is_empty() {
-                    // Sized like the last batch (the first: ~1 KiB a span): a growing batch is
-                    // copied at each doubling.
-                    let first = self.batch.min(4096) * 1024;
-                    self.spans.reserve(if self.last_batch > 0 {
-                        self.last_batch
-                    } else {
-                        first
-                    });
+                    // Sized like the last batch and at least 2 KiB a span (1 KiB was too
+                    // little for the bench request's spans): a growing batch would be copied at
+                    // each doubling.
+                    let first = self.batch.min(4096) * 2048;
+                    // Never below the first guess: a small batch (a timer's flush of a few
+                    // requests) must not make the next one small too.
+                    self.spans.reserve(self.last_batch.max(first));
                     self.spans.resize(self.prefix, 0);
                 }
                 encode_spans(&mut self.blocks, &mut self.spans, &f);
