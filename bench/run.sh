@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Loopback load bench: direct-to-upstream, nginx as a bare reverse proxy, and tollgate with a
-# realistic policy (bench/policy.yaml), each at 16 and 64 connections with wrk (one thread),
-# three passes, the median pass (by requests/s) reported; then tollgate on the default policy's
-# shape (bench/policy-default.yaml: SQLite state, JSONL audit). Bounded: 4 × 2 × 3 runs of $DUR,
-# plus a 1-connection latency run per target. Ratios to nginx are printed at the end.
+# realistic policy (bench/policy.yaml) and tollgate on the default policy's shape
+# (bench/policy-default.yaml: SQLite state, JSONL audit), each at 1, 16 and 64 connections with
+# wrk (one thread). Three passes, the targets taking turns within each pass; the median pass
+# (by requests/s) is reported. Bounded: 4 targets × 3 connection counts × 3 passes of $DUR. Ratios to nginx are printed at the end.
 #   bench/run.sh            (DUR=10s by default; needs nginx and wrk: apt-get install nginx wrk)
 #   CALLGRIND=1 bench/run.sh   (also instructions per request: bench/callgrind.sh, needs valgrind)
 set -euo pipefail
@@ -51,20 +51,33 @@ run() { # name url pid connections -> "rps p50 p99 cpu_us_per_req errors"
   echo "$rps $p50_us $p99_us $cpu $errors"
 }
 
+url_of() {
+  case $1 in
+    direct) echo "http://127.0.0.1:18080/v1/chat/completions -" ;;
+    nginx) echo "http://127.0.0.1:18090/v1/chat/completions $NGINX_PROXY" ;;
+    tollgate) echo "http://127.0.0.1:18787/v1/chat/completions $TG" ;;
+    tollgate-sqlite) echo "http://127.0.0.1:18788/v1/chat/completions $TGD" ;;
+  esac
+}
+TARGETS="direct nginx tollgate tollgate-sqlite"
+# The targets take turns within each pass (direct, nginx, tollgate, … at one connection count,
+# then the next), so the machine's drift over minutes falls on all of them alike and the
+# ratios compare runs seconds apart; each figure is the median pass.
+declare -A RESULTS
+for _ in $(seq "$PASSES"); do
+  for c in 1 16 64; do
+    for target in $TARGETS; do
+      read -r url pid <<<"$(url_of "$target")"
+      RESULTS[$target/$c]+="$(run "$target" "$url" "$pid" "$c")"$'\n'
+    done
+  done
+done
 echo "| target | conns | req/s | p50 µs | p99 µs | proxy CPU µs/req | errors |"
 echo "| --- | --- | --- | --- | --- | --- | --- |"
 declare -A RPS CPU P50
-for target in direct nginx tollgate tollgate-sqlite; do
-  case $target in
-    direct) url=http://127.0.0.1:18080/v1/chat/completions; pid=- ;;
-    nginx) url=http://127.0.0.1:18090/v1/chat/completions; pid=$NGINX_PROXY ;;
-    tollgate) url=http://127.0.0.1:18787/v1/chat/completions; pid=$TG ;;
-    tollgate-sqlite) url=http://127.0.0.1:18788/v1/chat/completions; pid=$TGD ;;
-  esac
+for target in $TARGETS; do
   for c in 1 16 64; do
-    results=()
-    for _ in $(seq "$PASSES"); do results+=("$(run "$target" "$url" "$pid" "$c")"); done
-    median=$(printf '%s\n' "${results[@]}" | sort -n -k1 | sed -n "$(( (PASSES + 1) / 2 ))p")
+    median=$(printf '%s' "${RESULTS[$target/$c]}" | sort -n -k1 | sed -n "$(( (PASSES + 1) / 2 ))p")
     read -r rps p50 p99 cpu errors <<<"$median"
     RPS[$target/$c]=$rps; CPU[$target/$c]=$cpu; P50[$target/$c]=$p50
     echo "| $target | $c | $rps | $p50 | $p99 | $cpu | $errors |"
