@@ -58,15 +58,16 @@ fn grpc_message(b: Bytes) -> Bytes {
 
 impl Receiver {
     async fn start() -> Receiver {
-        Self::start_as(false).await
+        Self::start_as(false, "0").await
     }
 
     /// An OTLP/gRPC receiver (h2c): the methods' paths, framed messages, `grpc-status` trailers.
     async fn start_grpc() -> Receiver {
-        Self::start_as(true).await
+        Self::start_as(true, "0").await
     }
 
-    async fn start_as(grpc: bool) -> Receiver {
+    /// An OTLP/gRPC receiver that decodes every export and answers it with `grpc_status`.
+    async fn start_as(grpc: bool, grpc_status: &'static str) -> Receiver {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         let got = Arc::new(Mutex::new(Got::default()));
@@ -122,9 +123,12 @@ impl Receiver {
                                 p => panic!("unexpected OTLP path {p}"),
                             }
                             let resp = if grpc {
-                                // An empty Export*ServiceResponse, then grpc-status 0.
+                                // An empty Export*ServiceResponse, then the grpc-status.
                                 let mut trailers = http::HeaderMap::new();
-                                trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+                                trailers.insert(
+                                    "grpc-status",
+                                    http::HeaderValue::from_static(grpc_status),
+                                );
                                 let frames = vec![
                                     Ok::<_, std::convert::Infallible>(Frame::data(
                                         Bytes::from_static(&[0, 0, 0, 0, 0]),
@@ -496,6 +500,40 @@ async fn over_grpc_the_collector_gets_the_same_trace_and_metrics() {
     );
     // Nothing was dropped: the gRPC status was read as a success.
     assert_eq!(dropped("export_failed"), failed_before);
+    otel::shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_collector_answering_an_error_status_fails_no_request_and_counts_the_drops() {
+    let _turn = TURN.lock().await;
+    // 14 = UNAVAILABLE, in the trailers of an otherwise well-formed answer (HTTP 200).
+    let rx = Receiver::start_as(true, "14").await;
+    otel::install(&rx.settings()).expect("install");
+    let failed_before = dropped("export_failed");
+    let up = MockUpstream::start(vec![]).await;
+    let sc = Sidecar::start(&chain_yaml(&up, &up)).await;
+    for i in 0..3 {
+        let id = format!("grpc-err-{i}");
+        let (st, _, out) = post_json(
+            &sc.chat_url(),
+            &j!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}),
+            &[("x-request-id", id.as_str())],
+        )
+        .await;
+        assert_eq!(st, 200, "{}", String::from_utf8_lossy(&out));
+    }
+    otel::flush(Duration::from_secs(10)).await;
+    // The collector got the spans (it decoded them) but refused them: counted as failed.
+    assert!(!rx.got.lock().unwrap().spans.is_empty());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while dropped("export_failed") <= failed_before {
+        assert!(
+            Instant::now() < deadline,
+            "a grpc-status 14 was not counted as a failed export:\n{}",
+            tollgate::telemetry::global().render()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     otel::shutdown(Duration::from_secs(5)).await;
 }
 
