@@ -26,16 +26,23 @@ pub const CHARS_PER_TOKEN: u64 = 4;
 /// * `Chars`: `ceil(chars / 4)`, where `chars` counts Unicode scalar values. The usual rule of
 ///   thumb for English; for models whose tokenizer we do not ship. It under-counts CJK and
 ///   other scripts that take more than one token per character.
+///
+/// A prompt's texts are remembered process-wide (`memo`): one seen before is hashed, not
+/// counted again.
 pub fn count_text(tok: Tokenizer, s: &str) -> u64 {
+    count(tok, s, true)
+}
+
+fn count(tok: Tokenizer, s: &str, remember: bool) -> u64 {
     if s.is_empty() {
         return 0;
     }
     match tok {
         Tokenizer::O200k | Tokenizer::Cl100k => match tables(tok) {
-            Some(t) if s.len() >= memo::MIN_TEXT => {
+            Some(t) if remember && s.len() >= memo::MIN_TEXT => {
                 memo::memo().count(tok as u8, s.as_bytes(), || bpe_count_here(t, tok, s))
             }
-            Some(t) => bpe_count(t, tok, s),
+            Some(t) => bpe_count_here(t, tok, s),
             None => chars_to_tokens(to_u64(s.chars().count())),
         },
         Tokenizer::Chars => chars_to_tokens(to_u64(s.chars().count())),
@@ -60,9 +67,10 @@ pub fn forget_counts() {
 
 /// Number of tokens in response text, for when a provider reports no `usage` (an interrupted
 /// stream, a provider that omits it). The same count as [`count_text`]; a separate name so call
-/// sites say which side of the exchange they are pricing.
+/// sites say which side of the exchange they are pricing. An answer is rarely seen twice, so
+/// it is counted without the memo (it would only evict prompts' counts).
 pub fn count_output_text(tok: Tokenizer, s: &str) -> u64 {
-    count_text(tok, s)
+    count(tok, s, false)
 }
 
 /// Builds both BPE tokenizers' tables now instead of on the first request that needs them.
