@@ -15,6 +15,7 @@
 
 mod config;
 mod context;
+mod encode;
 mod export;
 mod metrics;
 mod notes;

@@ -1,0 +1,520 @@
+//! Span encoding: a finished request's server span and one client span per attempt, written
+//! straight into an OTLP `ScopeSpans.spans` buffer, with the GenAI attributes and the decision.
+//! The attributes that repeat from request to request (consumer, team, route, states, backend)
+//! are copied from a memo of encoded blocks ([`Blocks`]).
+
+use super::proto::Writer;
+use super::spans::{Finished, Outcome, STATE_KEYS};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// `server.address` and `server.port` of a base URL (`scheme://host[:port]/…`).
+fn host_port(url: &str) -> Option<(&str, u16)> {
+    let (default, rest) = if let Some(r) = url.strip_prefix("https://") {
+        (443, r)
+    } else if let Some(r) = url.strip_prefix("http://") {
+        (80, r)
+    } else {
+        return None;
+    };
+    let auth = rest.split(['/', '?', '#']).next()?;
+    let auth = auth.rsplit('@').next()?;
+    if let Some(v6) = auth.strip_prefix('[') {
+        let (h, after) = v6.split_once(']')?;
+        let port = match after.strip_prefix(':') {
+            Some(p) => p.parse().ok()?,
+            None => default,
+        };
+        return Some((h, port));
+    }
+    match auth.rsplit_once(':') {
+        Some((h, p)) => Some((h, p.parse().ok()?)),
+        None => Some((auth, default)),
+    }
+}
+
+/// A span's fields, shared by both kinds: ids (1, 2), `trace_state` 3, parent 4, name 5,
+/// kind 6, times 7 and 8, and `flags` 16 (the W3C flags, and whether the parent is remote).
+#[allow(clippy::too_many_arguments)]
+fn head(
+    w: &mut Writer<'_>,
+    f: &Finished,
+    span_id: &[u8; 8],
+    parent: Option<&[u8; 8]>,
+    remote_parent: bool,
+    name: (&str, &str),
+    kind: u64,
+    times: (u64, u64),
+) {
+    w.bytes(1, &f.ids.trace_id);
+    w.bytes(2, span_id);
+    if let Some(ts) = &f.ids.tracestate {
+        w.bytes(3, ts.as_bytes());
+    }
+    if let Some(p) = parent {
+        w.bytes(4, p);
+    }
+    // name = "{a} {b}" (or "{a}")
+    let (a, b) = name;
+    if b.is_empty() {
+        w.string(5, a);
+    } else {
+        w.string_pair(5, a, b);
+    }
+    w.uint(6, kind);
+    w.fixed64(7, times.0);
+    w.fixed64(8, times.1);
+    // SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE (0x100) | IS_REMOTE (0x200) | sampled (0x01).
+    let flags = 0x101 | if remote_parent { 0x200 } else { 0 };
+    w.fixed32(16, flags);
+}
+
+/// `Status { message 2, code 3 }`, code 2 = ERROR.
+fn error_status(w: &mut Writer<'_>, message: &str) {
+    w.message(15, |w| {
+        w.string(2, message);
+        w.uint(3, 2);
+    });
+}
+
+/// Attribute field of `Span`.
+const A: u32 = 9;
+
+/// Counts are u64 in the record; OTLP integers are i64.
+fn sat(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// The answer's GenAI attributes (response model, usage, cache, finish reasons).
+fn answer_attrs(w: &mut Writer<'_>, f: &Finished) {
+    let d = &f.decision;
+    if let Some(m) = f.notes.model.as_deref().or(d.upstream_model.as_deref()) {
+        w.attr_str(A, "gen_ai.response.model", m);
+    }
+    if let Some((i, o)) = d.usage {
+        w.attr_int(A, "gen_ai.usage.input_tokens", sat(i));
+        w.attr_int(A, "gen_ai.usage.output_tokens", sat(o));
+    }
+    if let Some(c) = f.notes.cached {
+        w.attr_int(A, "gen_ai.usage.cache_read.input_tokens", sat(c));
+    }
+    if d.cache_write_tokens > 0 {
+        w.attr_int(
+            A,
+            "gen_ai.usage.cache_creation.input_tokens",
+            sat(d.cache_write_tokens),
+        );
+    }
+    if !f.notes.finish.is_empty() {
+        w.attr_strs(
+            A,
+            "gen_ai.response.finish_reasons",
+            f.notes.finish.iter().map(|r| r.as_ref()),
+        );
+    }
+}
+
+/// Attributes that repeat from request to request, encoded once per distinct set and copied
+/// after that: on the server span, operation, method, path, route, provider, the eight states,
+/// consumer, team, policy version and backend (17 of its ~30); on a client span, operation,
+/// provider, model, backend, probe and the backend's address (9 of its ~15).
+#[derive(Debug, Default)]
+pub(crate) struct Blocks {
+    server: Memo<ServerKey>,
+    client: Memo<ClientKey>,
+}
+
+/// Most distinct sets kept per kind (a consumer id per caller could make many): past it, the
+/// memo starts over.
+const MAX_BLOCKS: usize = 1024;
+
+/// Encoded blocks by the hash of what they were encoded from; a hash whose key differs (a
+/// collision) is encoded afresh and replaces the entry.
+#[derive(Debug)]
+struct Memo<K> {
+    map: HashMap<u64, (K, Vec<u8>), foldhash::fast::RandomState>,
+}
+
+impl<K> Default for Memo<K> {
+    fn default() -> Self {
+        Memo {
+            map: HashMap::default(),
+        }
+    }
+}
+
+impl<K> Memo<K> {
+    fn write(
+        &mut self,
+        out: &mut Vec<u8>,
+        h: u64,
+        same: impl Fn(&K) -> bool,
+        key: impl FnOnce() -> K,
+        encode: impl FnOnce(&mut Writer<'_>),
+    ) {
+        if let Some((k, block)) = self.map.get(&h) {
+            if same(k) {
+                out.extend_from_slice(block);
+                return;
+            }
+        }
+        let mut block = Vec::with_capacity(640);
+        encode(&mut Writer(&mut block));
+        out.extend_from_slice(&block);
+        if self.map.len() >= MAX_BLOCKS {
+            self.map.clear();
+        }
+        self.map.insert(h, (key(), block));
+    }
+}
+
+/// `&'static str`s are compared by address (equal addresses are equal strings; unequal ones at
+/// worst cost a second entry), the others by content.
+fn static_id(s: &'static str) -> (usize, usize) {
+    (s.as_ptr() as usize, s.len())
+}
+
+fn hasher() -> impl std::hash::Hasher {
+    use std::hash::BuildHasher;
+    foldhash::fast::FixedState::with_seed(0x746f_6c6c).build_hasher()
+}
+
+#[derive(Debug)]
+struct ServerKey {
+    statics: [(usize, usize); 11],
+    strs: [Arc<str>; 4],
+    team: Option<Arc<str>>,
+}
+
+#[derive(Debug)]
+struct ClientKey {
+    statics: [(usize, usize); 2],
+    probe: bool,
+    model: Arc<str>,
+    backend: Arc<str>,
+    base_url: Box<str>,
+}
+
+fn served_provider(f: &Finished) -> &'static str {
+    f.served().map_or("", |a| a.provider)
+}
+
+impl Blocks {
+    fn server(&mut self, w: &mut Writer<'_>, f: &Finished) {
+        use std::hash::{Hash, Hasher};
+        let d = &f.decision;
+        let mut statics = [(0, 0); 11];
+        statics[0] = static_id(f.op);
+        statics[1] = static_id(f.path);
+        statics[2] = static_id(served_provider(f));
+        for (slot, st) in statics[3..].iter_mut().zip(d.states) {
+            *slot = static_id(st);
+        }
+        let strs = [&d.route, &d.consumer, &d.policy_version, &d.backend];
+        let mut h = hasher();
+        statics.hash(&mut h);
+        for s in strs {
+            s.hash(&mut h);
+        }
+        d.team.hash(&mut h);
+        self.server.write(
+            w.0,
+            h.finish(),
+            |k| {
+                k.statics == statics
+                    && k.strs.iter().zip(strs).all(|(a, b)| **a == **b)
+                    && k.team.as_deref() == d.team.as_deref()
+            },
+            || ServerKey {
+                statics,
+                strs: strs.map(Arc::clone),
+                team: d.team.clone(),
+            },
+            |w| {
+                w.attr_str(A, "gen_ai.operation.name", f.op);
+                w.attr_str(A, "http.request.method", "POST");
+                w.attr_str(A, "url.path", f.path);
+                if !d.route.is_empty() {
+                    w.attr_str(A, "gen_ai.request.model", &d.route);
+                }
+                if f.served().is_some() {
+                    w.attr_str(A, "gen_ai.provider.name", served_provider(f));
+                }
+                for (k, v) in STATE_KEYS.iter().zip(d.states) {
+                    w.attr_str(A, k, v);
+                }
+                w.attr_str(A, "tollgate.consumer", &d.consumer);
+                if let Some(t) = &d.team {
+                    w.attr_str(A, "tollgate.team", t);
+                }
+                w.attr_str(A, "tollgate.route", &d.route);
+                w.attr_str(A, "tollgate.policy_version", &d.policy_version);
+                w.attr_str(A, "tollgate.backend", &d.backend);
+            },
+        );
+    }
+
+    fn client(&mut self, w: &mut Writer<'_>, f: &Finished, a: &super::spans::AttemptDone) {
+        use std::hash::{Hash, Hasher};
+        let statics = [static_id(f.op), static_id(a.provider)];
+        let mut h = hasher();
+        statics.hash(&mut h);
+        a.probe.hash(&mut h);
+        a.model.hash(&mut h);
+        a.backend.hash(&mut h);
+        a.base_url.hash(&mut h);
+        self.client.write(
+            w.0,
+            h.finish(),
+            |k| {
+                k.statics == statics
+                    && k.probe == a.probe
+                    && *k.model == *a.model
+                    && *k.backend == *a.backend
+                    && k.base_url == a.base_url
+            },
+            || ClientKey {
+                statics,
+                probe: a.probe,
+                model: a.model.clone(),
+                backend: a.backend.clone(),
+                base_url: a.base_url.clone(),
+            },
+            |w| {
+                w.attr_str(A, "gen_ai.operation.name", f.op);
+                w.attr_str(A, "gen_ai.provider.name", a.provider);
+                w.attr_str(A, "gen_ai.request.model", &a.model);
+                w.attr_str(A, "tollgate.backend", &a.backend);
+                w.attr_bool(A, "tollgate.probe", a.probe);
+                if let Some((h, p)) = host_port(&a.base_url) {
+                    w.attr_str(A, "server.address", h);
+                    w.attr_int(A, "server.port", i64::from(p));
+                }
+            },
+        );
+    }
+}
+
+/// Appends one span (`ScopeSpans.spans = 2`) to `out`.
+fn span(out: &mut Vec<u8>, body: impl FnOnce(&mut Writer<'_>)) {
+    Writer(out).message_2(2, body);
+}
+
+/// Appends a finished request's spans (`ScopeSpans.spans = 2`) to `out`: the server span,
+/// then one client span per attempt.
+pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished) {
+    let d = &f.decision;
+    let mut status = itoa::Buffer::new();
+    span(out, |w| {
+        head(
+            w,
+            f,
+            &f.span_id,
+            f.parent.as_ref(),
+            f.parent.is_some(),
+            (f.op, &d.route),
+            2, // SERVER
+            (f.start_ns, f.end_ns),
+        );
+        blocks.server(w, f);
+        if d.requested_output_tokens > 0 {
+            w.attr_int(
+                A,
+                "gen_ai.request.max_tokens",
+                sat(d.requested_output_tokens),
+            );
+        }
+        if f.served().is_some() {
+            answer_attrs(w, f);
+        }
+        w.attr_str(A, "tollgate.request_id", &d.request_id);
+        w.attr_str(A, "tollgate.job_id", &d.job_id);
+        w.attr_int(A, "tollgate.attempts", d.attempts as i64);
+        w.attr_double(A, "tollgate.cost_usd", d.cost_usd);
+        w.attr_int(A, "http.response.status_code", i64::from(d.http_status));
+        if d.http_status >= 400 {
+            w.attr_str(A, "error.type", d.reason());
+        }
+        if d.http_status >= 500 {
+            error_status(w, d.reason());
+        }
+    });
+    for a in &f.attempts {
+        span(out, |w| {
+            head(
+                w,
+                f,
+                &a.span_id,
+                Some(&f.span_id),
+                false,
+                (f.op, &a.model),
+                3, // CLIENT
+                (a.start_ns, a.end_ns),
+            );
+            blocks.client(w, f, a);
+            w.attr_int(A, "gen_ai.request.max_tokens", sat(a.max_tokens));
+            w.attr_int(A, "tollgate.attempt", i64::from(a.attempt));
+            let error: Option<&str> = match a.outcome {
+                Outcome::Served => {
+                    answer_attrs(w, f);
+                    w.attr_int(A, "http.response.status_code", i64::from(d.http_status));
+                    None
+                }
+                Outcome::Failed(class, st) => {
+                    if let Some(st) = st {
+                        w.attr_int(A, "http.response.status_code", i64::from(st));
+                    }
+                    Some(class)
+                }
+                Outcome::Status(st) => {
+                    w.attr_int(A, "http.response.status_code", i64::from(st));
+                    Some(status.format(st))
+                }
+                Outcome::Skipped(why) => {
+                    w.attr_str(A, "tollgate.skipped", why);
+                    Some("skipped")
+                }
+            };
+            if let Some((_, at)) = a.first_chunk {
+                // Span.events = 11: Event { time 1, name 2 }
+                w.message(11, |w| {
+                    w.fixed64(1, at);
+                    w.string(2, "gen_ai.first_chunk");
+                });
+            }
+            if let Some(e) = error {
+                w.attr_str(A, "error.type", e);
+                error_status(w, e);
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::notes::Notes;
+    use super::super::spans::{AttemptDone, Decision, Finished, Outcome, TraceIds};
+    use super::host_port;
+    use super::{encode_spans, Blocks};
+    use std::sync::Arc;
+
+    fn finished(consumer: &str, team: Option<&str>, model: &str) -> Finished {
+        Finished {
+            ids: TraceIds {
+                trace_id: [1; 16],
+                sampled: true,
+                tracestate: None,
+            },
+            span_id: [2; 8],
+            parent: None,
+            start_ns: 1,
+            end_ns: 2,
+            op: "chat",
+            path: "/v1/chat/completions",
+            notes: Notes::default(),
+            attempts: vec![AttemptDone {
+                span_id: [3; 8],
+                start_ns: 1,
+                end_ns: 2,
+                duration_s: 0.5,
+                backend: Arc::from("b"),
+                provider: "openai",
+                model: Arc::from(model),
+                base_url: "http://h:1/v1".into(),
+                max_tokens: 9,
+                attempt: 1,
+                probe: false,
+                first_chunk: None,
+                outcome: Outcome::Served,
+            }],
+            decision: Decision {
+                states: ["ALLOW", "OK", "a", "b", "c", "d", "e", "f"],
+                http_status: 200,
+                route: Arc::from("chat"),
+                consumer: Arc::from(consumer),
+                team: team.map(Arc::from),
+                policy_version: Arc::from("v1"),
+                backend: Arc::from("b"),
+                request_id: Arc::from("r"),
+                job_id: Arc::from("j"),
+                upstream_model: None,
+                requested_output_tokens: 9,
+                usage: Some((1, 2)),
+                cache_write_tokens: 0,
+                cost_usd: 0.0,
+                attempts: 1,
+            },
+        }
+    }
+
+    /// The spans of one encoded request, decoded with the official types.
+    fn decode(b: &[u8]) -> Vec<opentelemetry_proto::tonic::trace::v1::Span> {
+        use prost::Message;
+        opentelemetry_proto::tonic::trace::v1::ScopeSpans::decode(b)
+            .unwrap()
+            .spans
+    }
+
+    fn attr(sp: &opentelemetry_proto::tonic::trace::v1::Span, k: &str) -> Option<String> {
+        use opentelemetry_proto::tonic::common::v1::any_value::Value;
+        sp.attributes.iter().find(|kv| kv.key == k).and_then(|kv| {
+            match kv.value.as_ref()?.value.as_ref()? {
+                Value::StringValue(s) => Some(s.clone()),
+                other => Some(format!("{other:?}")),
+            }
+        })
+    }
+
+    #[test]
+    fn repeated_attributes_come_from_the_memo_and_differing_ones_do_not() {
+        let mut blocks = Blocks::default();
+        let cases = [
+            ("alice", None, "m1"),
+            ("alice", None, "m1"),
+            ("bob", Some("payments"), "m1"),
+            ("alice", None, "m2"),
+            ("alice", Some("payments"), "m1"),
+        ];
+        for (consumer, team, model) in cases {
+            let mut out = Vec::new();
+            encode_spans(&mut blocks, &mut out, &finished(consumer, team, model));
+            let spans = decode(&out);
+            assert_eq!(spans.len(), 2);
+            let (server, client) = (&spans[0], &spans[1]);
+            assert_eq!(attr(server, "tollgate.consumer").as_deref(), Some(consumer));
+            assert_eq!(attr(server, "tollgate.team").as_deref(), team);
+            assert_eq!(
+                attr(server, "tollgate.final_action").as_deref(),
+                Some("ALLOW")
+            );
+            assert_eq!(attr(client, "gen_ai.request.model").as_deref(), Some(model));
+            assert_eq!(attr(client, "server.address").as_deref(), Some("h"));
+            assert_eq!(client.name, format!("chat {model}"));
+            // No attribute twice.
+            let mut keys: Vec<&str> = server.attributes.iter().map(|kv| kv.key.as_str()).collect();
+            let n = keys.len();
+            keys.sort_unstable();
+            keys.dedup();
+            assert_eq!(keys.len(), n, "{keys:?}");
+        }
+        assert_eq!(blocks.server.map.len(), 3);
+        assert_eq!(blocks.client.map.len(), 2);
+    }
+
+    #[test]
+    fn host_and_port_of_base_urls() {
+        assert_eq!(
+            host_port("http://127.0.0.1:8080/v1"),
+            Some(("127.0.0.1", 8080))
+        );
+        assert_eq!(
+            host_port("https://api.openai.com/v1"),
+            Some(("api.openai.com", 443))
+        );
+        assert_eq!(host_port("http://ollama"), Some(("ollama", 80)));
+        assert_eq!(host_port("http://[::1]:11434/api"), Some(("::1", 11434)));
+        assert_eq!(host_port("http://u:p@h:9/x"), Some(("h", 9)));
+        assert_eq!(host_port("ftp://h"), None);
+        assert_eq!(host_port("http://h:notaport/"), None);
+    }
+}
