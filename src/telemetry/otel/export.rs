@@ -132,7 +132,7 @@ impl HyperClient {
 /// The finished-request queue the request path pushes into.
 pub(crate) struct SpanQueue {
     q: ArrayQueue<Finished>,
-    /// A batch's worth is waiting: the export task drains early.
+    /// Records waiting at which the export task drains early.
     batch: usize,
     ready: Notify,
     full: metrics::Counter,
@@ -160,7 +160,10 @@ impl SpanQueue {
     pub(crate) fn push(&self, f: Finished) {
         match self.q.push(f) {
             Ok(()) => {
-                if self.q.len() == self.batch {
+                // Counted in records: a sampled record carries one span or more, so `batch`
+                // records hold at least a batch of spans (and unsampled ones feed the metrics).
+                // `>=`, not `==`: two pushes at once can both see the length past `batch`.
+                if self.q.len() >= self.batch {
                     self.ready.notify_one();
                 }
             }
