@@ -33,39 +33,41 @@ fn host_port(url: &str) -> Option<(&str, u16)> {
     }
 }
 
+/// What tells one span from another in its head: the rest comes from the request.
+struct Head<'a> {
+    span_id: &'a [u8; 8],
+    parent: Option<&'a [u8; 8]>,
+    remote_parent: bool,
+    /// The name, `"{0} {1}"` (or `"{0}"`).
+    name: (&'a str, &'a str),
+    /// SERVER 2, CLIENT 3.
+    kind: u64,
+    /// Start and end, Unix ns.
+    times: (u64, u64),
+}
+
 /// A span's fields, shared by both kinds: ids (1, 2), `trace_state` 3, parent 4, name 5,
 /// kind 6, times 7 and 8, and `flags` 16 (the W3C flags, and whether the parent is remote).
-#[allow(clippy::too_many_arguments)]
-fn head(
-    w: &mut Writer<'_>,
-    f: &Finished,
-    span_id: &[u8; 8],
-    parent: Option<&[u8; 8]>,
-    remote_parent: bool,
-    name: (&str, &str),
-    kind: u64,
-    times: (u64, u64),
-) {
+fn head(w: &mut Writer<'_>, f: &Finished, h: Head<'_>) {
     w.bytes(1, &f.ids.trace_id);
-    w.bytes(2, span_id);
+    w.bytes(2, h.span_id);
     if let Some(ts) = &f.ids.tracestate {
         w.bytes(3, ts.as_bytes());
     }
-    if let Some(p) = parent {
+    if let Some(p) = h.parent {
         w.bytes(4, p);
     }
-    // name = "{a} {b}" (or "{a}")
-    let (a, b) = name;
+    let (a, b) = h.name;
     if b.is_empty() {
         w.string(5, a);
     } else {
         w.string_pair(5, a, b);
     }
-    w.uint(6, kind);
-    w.fixed64(7, times.0);
-    w.fixed64(8, times.1);
+    w.uint(6, h.kind);
+    w.fixed64(7, h.times.0);
+    w.fixed64(8, h.times.1);
     // SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE (0x100) | IS_REMOTE (0x200) | sampled (0x01).
-    let flags = 0x101 | if remote_parent { 0x200 } else { 0 };
+    let flags = 0x101 | if h.remote_parent { 0x200 } else { 0 };
     w.fixed32(16, flags);
 }
 
@@ -309,12 +311,14 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished)
         head(
             w,
             f,
-            &f.span_id,
-            f.parent.as_ref(),
-            f.parent.is_some(),
-            (f.op, &d.route),
-            2, // SERVER
-            (f.start_ns, f.end_ns),
+            Head {
+                span_id: &f.span_id,
+                parent: f.parent.as_ref(),
+                remote_parent: f.parent.is_some(),
+                name: (f.op, &d.route),
+                kind: 2, // SERVER
+                times: (f.start_ns, f.end_ns),
+            },
         );
         blocks.server(w, f);
         if d.requested_output_tokens > 0 {
@@ -344,12 +348,14 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished)
             head(
                 w,
                 f,
-                &a.span_id,
-                Some(&f.span_id),
-                false,
-                (f.op, &a.model),
-                3, // CLIENT
-                (a.start_ns, a.end_ns),
+                Head {
+                    span_id: &a.span_id,
+                    parent: Some(&f.span_id),
+                    remote_parent: false,
+                    name: (f.op, &a.model),
+                    kind: 3, // CLIENT
+                    times: (a.start_ns, a.end_ns),
+                },
             );
             blocks.client(w, f, a);
             w.attr_int(A, "gen_ai.request.max_tokens", sat(a.max_tokens));
