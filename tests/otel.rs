@@ -234,6 +234,18 @@ async fn say_hi(sc: &Sidecar, traceparent: &str) -> u16 {
         .0
 }
 
+/// Says hi under a request id; the answer's body (asserted 200).
+async fn hi_with_id(sc: &Sidecar, id: &str) -> Vec<u8> {
+    let (st, _, out) = post_json(
+        &sc.chat_url(),
+        &j!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}),
+        &[("x-request-id", id)],
+    )
+    .await;
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&out));
+    out.to_vec()
+}
+
 /// `tollgate_otel_dropped_spans_total{reason}` now (process-wide: compare before and after).
 fn dropped(reason: &str) -> f64 {
     tollgate::telemetry::global()
@@ -513,14 +525,7 @@ async fn a_grpc_collector_answering_an_error_status_fails_no_request_and_counts_
     let up = MockUpstream::start(vec![]).await;
     let sc = Sidecar::start(&chain_yaml(&up, &up)).await;
     for i in 0..3 {
-        let id = format!("grpc-err-{i}");
-        let (st, _, out) = post_json(
-            &sc.chat_url(),
-            &j!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}),
-            &[("x-request-id", id.as_str())],
-        )
-        .await;
-        assert_eq!(st, 200, "{}", String::from_utf8_lossy(&out));
+        hi_with_id(&sc, &format!("grpc-err-{i}")).await;
     }
     otel::flush(Duration::from_secs(10)).await;
     // The collector got the spans (it decoded them) but refused them: counted as failed.
@@ -561,14 +566,7 @@ async fn a_collector_that_never_answers_slows_and_fails_nothing() {
     let t0 = Instant::now();
     for i in 0..n {
         let t = Instant::now();
-        let id = format!("down-{i}");
-        let (st, _, out) = post_json(
-            &sc.chat_url(),
-            &j!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}),
-            &[("x-request-id", id.as_str())],
-        )
-        .await;
-        assert_eq!(st, 200, "{}", String::from_utf8_lossy(&out));
+        let out = hi_with_id(&sc, &format!("down-{i}")).await;
         assert_eq!(
             json(&out)["choices"][0]["message"]["content"],
             "Hello from the mock upstream."

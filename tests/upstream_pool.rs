@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
-use tollgate::proxy::pool::Pools;
+use tollgate::proxy::pool::{Lease, Pools};
 
 const ANSWER: &str = "{\"ok\":true}";
 
@@ -157,14 +157,25 @@ async fn a_connection_the_upstream_closed_is_not_reused() {
     }
 }
 
-#[tokio::test]
-async fn a_lease_dropped_before_its_body_is_read_comes_back_once_idle() {
+/// A request to a slow-bodied upstream, its answer's head in hand and its body still arriving.
+async fn slow_answer() -> (
+    Upstream,
+    Pools,
+    http::Response<hyper::body::Incoming>,
+    Lease,
+) {
     let up = upstream(After::SlowBody).await;
     let pools = Pools::default();
     let (resp, lease) = pools
         .send(request(up.addr), Duration::from_secs(2))
         .await
         .unwrap();
+    (up, pools, resp, lease)
+}
+
+#[tokio::test]
+async fn a_lease_dropped_before_its_body_is_read_comes_back_once_idle() {
+    let (up, pools, resp, lease) = slow_answer().await;
     // As a stream's lease: dropped while the body is still arriving.
     drop(lease);
     assert_eq!(pools.idle(&up.addr.to_string()), 0);
@@ -183,12 +194,7 @@ async fn a_lease_dropped_before_its_body_is_read_comes_back_once_idle() {
 
 #[tokio::test]
 async fn a_body_dropped_unread_closes_its_connection() {
-    let up = upstream(After::SlowBody).await;
-    let pools = Pools::default();
-    let (resp, lease) = pools
-        .send(request(up.addr), Duration::from_secs(2))
-        .await
-        .unwrap();
+    let (up, pools, resp, lease) = slow_answer().await;
     drop(resp);
     drop(lease);
     tokio::time::sleep(Duration::from_millis(200)).await;
