@@ -58,11 +58,6 @@ impl Transport {
         Self::default()
     }
 
-    /// Cleartext HTTP/1 upstreams' idle connections to `authority` (for tests and status).
-    pub fn idle_connections(&self, authority: &str) -> usize {
-        self.h1.idle(authority)
-    }
-
     /// Sends a request and gives back the answer's head; for a cleartext upstream, with the
     /// connection's lease, to be held while its body is read.
     async fn send(
