@@ -64,33 +64,95 @@ fn sf_string(out: &mut String, name: &str) {
     out.push('"');
 }
 
-/// (`RateLimit-Policy`, `RateLimit`) values for the windowed token bounds, if any.
-pub fn ietf_fields(limits: &[TokenLimit], now: Millis) -> Option<(String, String)> {
-    let mut policy = String::new();
-    let mut state = String::new();
-    for l in limits {
-        let (Some(w), Some(reset)) = (l.window_secs, l.resets_at_ms) else {
-            continue;
-        };
-        if policy.is_empty() {
-            policy.reserve(64 * limits.len());
-            state.reserve(48 * limits.len());
-        } else {
+/// The windowed token bounds, with their window's length and end.
+fn windowed(limits: &[TokenLimit]) -> impl Iterator<Item = (&TokenLimit, u64, Millis)> {
+    limits
+        .iter()
+        .filter_map(|l| Some((l, l.window_secs?, l.resets_at_ms?)))
+}
+
+/// The `RateLimit-Policy` value: each windowed bound's name, quota and window.
+fn policy_field(limits: &[TokenLimit]) -> String {
+    let mut policy = String::with_capacity(64 * limits.len());
+    for (l, w, _) in windowed(limits) {
+        if !policy.is_empty() {
             policy.push_str(", ");
-            state.push_str(", ");
         }
         sf_string(&mut policy, &l.name);
         policy.push_str(";q=");
         push_u64(&mut policy, l.limit);
         policy.push_str(";qu=\"tokens\";w=");
         push_u64(&mut policy, w);
+    }
+    policy
+}
+
+/// The `RateLimit` value: each windowed bound's room and seconds until its window turns.
+fn state_field(limits: &[TokenLimit], now: Millis) -> String {
+    let mut state = String::with_capacity(48 * limits.len());
+    for (l, _, reset) in windowed(limits) {
+        if !state.is_empty() {
+            state.push_str(", ");
+        }
         sf_string(&mut state, &l.name);
         state.push_str(";r=");
         push_u64(&mut state, l.remaining);
         state.push_str(";t=");
         push_u64(&mut state, secs_until(reset, now));
     }
-    (!policy.is_empty()).then_some((policy, state))
+    state
+}
+
+/// (`RateLimit-Policy`, `RateLimit`) values for the windowed token bounds, if any.
+#[cfg(test)]
+fn ietf_fields(limits: &[TokenLimit], now: Millis) -> Option<(String, String)> {
+    let policy = policy_field(limits);
+    (!policy.is_empty()).then(|| (policy, state_field(limits, now)))
+}
+
+/// What a `RateLimit-Policy` value was built from: each windowed bound's name (held, so an
+/// equal pointer is the same name), quota and window.
+type PolicyKey = Vec<(std::sync::Arc<str>, u64, u64)>;
+
+thread_local! {
+    /// The last `RateLimit-Policy` value this thread built. It changes only with the policy
+    /// and the set of bounds a request falls under, so most answers reuse it (a clone of a
+    /// shared buffer) instead of writing and validating it again.
+    static POLICY_VALUE: std::cell::RefCell<Option<(PolicyKey, HeaderValue)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// The `RateLimit-Policy` header value (`None`: no windowed bound, or a value a header
+/// cannot carry).
+fn policy_value(limits: &[TokenLimit]) -> Option<HeaderValue> {
+    let same = |key: &PolicyKey| {
+        let mut it = key.iter();
+        windowed(limits).all(|(l, w, _)| {
+            it.next().is_some_and(|(n, q, kw)| {
+                (std::sync::Arc::ptr_eq(n, &l.name) || **n == *l.name) && *q == l.limit && *kw == w
+            })
+        }) && it.next().is_none()
+    };
+    let hit = POLICY_VALUE
+        .try_with(|m| match &*m.borrow() {
+            Some((key, v)) if same(key) => Some(v.clone()),
+            _ => None,
+        })
+        .ok()
+        .flatten();
+    if hit.is_some() {
+        return hit;
+    }
+    let policy = policy_field(limits);
+    if policy.is_empty() {
+        return None;
+    }
+    let v = HeaderValue::from_maybe_shared(bytes::Bytes::from(policy)).ok()?;
+    let key = windowed(limits)
+        .map(|(l, w, _)| (l.name.clone(), l.limit, w))
+        .collect();
+    let _ = POLICY_VALUE.try_with(|m| *m.borrow_mut() = Some((key, v.clone())));
+    Some(v)
 }
 
 /// Stamps the token rate-limit headers of an answer whose call was admitted.
@@ -106,11 +168,8 @@ pub fn stamp(h: &mut HeaderMap, limits: &[TokenLimit]) {
             h.insert(H_RESET.clone(), v);
         }
     }
-    if let Some((policy, state)) = ietf_fields(limits, now) {
-        if let (Ok(p), Ok(s)) = (
-            HeaderValue::from_str(&policy),
-            HeaderValue::from_str(&state),
-        ) {
+    if let Some(p) = policy_value(limits) {
+        if let Ok(s) = HeaderValue::from_str(&state_field(limits, now)) {
             h.insert(H_POLICY.clone(), p);
             h.insert(H_RATELIMIT.clone(), s);
         }
@@ -186,5 +245,48 @@ mod tests {
         assert_eq!(h["x-ratelimit-remaining-tokens"], "100");
         assert!(!h.contains_key("x-ratelimit-reset-tokens"));
         assert!(!h.contains_key("ratelimit"));
+    }
+
+    #[test]
+    fn the_policy_value_is_reused_only_for_the_same_bounds() {
+        let a = [tl("tpm", true, 20000, 18766, Some(60))];
+        let v = policy_value(&a).unwrap();
+        assert_eq!(v, r#""tpm";q=20000;qu="tokens";w=60"#);
+        // Same bounds (another name buffer with the same text): the same value.
+        assert_eq!(
+            policy_value(&[tl("tpm", true, 20000, 1, Some(60))]).unwrap(),
+            v
+        );
+        // A changed quota, window, name or set of bounds is written afresh.
+        for (other, want) in [
+            (
+                vec![tl("tpm", true, 30000, 1, Some(60))],
+                r#""tpm";q=30000;qu="tokens";w=60"#,
+            ),
+            (
+                vec![tl("tpm", true, 20000, 1, Some(3600))],
+                r#""tpm";q=20000;qu="tokens";w=3600"#,
+            ),
+            (
+                vec![tl("tph", true, 20000, 1, Some(60))],
+                r#""tph";q=20000;qu="tokens";w=60"#,
+            ),
+            (
+                vec![
+                    tl("tpm", true, 20000, 1, Some(60)),
+                    tl("day", false, 9, 1, Some(86400)),
+                ],
+                r#""tpm";q=20000;qu="tokens";w=60, "day";q=9;qu="tokens";w=86400"#,
+            ),
+            (
+                vec![tl("tpm", true, 20000, 1, Some(60))],
+                r#""tpm";q=20000;qu="tokens";w=60"#,
+            ),
+        ] {
+            assert_eq!(policy_value(&other).unwrap(), want);
+        }
+        // No windowed bound: no value, and the next request still gets its own.
+        assert!(policy_value(&[tl("per-job", false, 1, 1, None)]).is_none());
+        assert_eq!(policy_value(&a).unwrap(), v);
     }
 }
