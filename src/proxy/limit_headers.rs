@@ -103,13 +103,6 @@ fn state_field(limits: &[TokenLimit], now: Millis) -> String {
     state
 }
 
-/// (`RateLimit-Policy`, `RateLimit`) values for the windowed token bounds, if any.
-#[cfg(test)]
-fn ietf_fields(limits: &[TokenLimit], now: Millis) -> Option<(String, String)> {
-    let policy = policy_field(limits);
-    (!policy.is_empty()).then(|| (policy, state_field(limits, now)))
-}
-
 /// What a `RateLimit-Policy` value was built from: each windowed bound's name (held, so an
 /// equal pointer is the same name), quota and window.
 type PolicyKey = Vec<(std::sync::Arc<str>, u64, u64)>;
@@ -206,21 +199,22 @@ mod tests {
     }
 
     #[test]
-    fn ietf_fields_list_every_windowed_token_bound() {
+    fn the_ietf_fields_list_every_windowed_token_bound() {
         let limits = [
             tl("tpm", true, 20000, 18766, Some(60)),
             tl("per-job", false, 30000, 100, None),
             tl("day \"q\"", false, 100000, 5000, Some(86400)),
         ];
-        let (p, s) = ietf_fields(&limits, 18_000).unwrap();
+        let (p, s) = (policy_field(&limits), state_field(&limits, 18_000));
         assert_eq!(
             p,
             r#""tpm";q=20000;qu="tokens";w=60, "day \"q\"";q=100000;qu="tokens";w=86400"#
         );
         assert_eq!(s, r#""tpm";r=18766;t=42, "day \"q\"";r=5000;t=42"#);
-        assert!(ietf_fields(&limits[1..2], 0).is_none());
+        // No windowed bound: neither field.
+        assert!(policy_field(&limits[1..2]).is_empty() && state_field(&limits[1..2], 0).is_empty());
         // Outside printable ASCII: replaced, as a structured-field string must be.
-        let (p, _) = ietf_fields(&[tl("tägliche", false, 1, 1, Some(60))], 0).unwrap();
+        let p = policy_field(&[tl("tägliche", false, 1, 1, Some(60))]);
         assert_eq!(p, r#""t_gliche";q=1;qu="tokens";w=60"#);
     }
 
