@@ -30,7 +30,7 @@ rm -f /tmp/tollgate-bench.db*
 # Every request sampled (SAMPLER=traceidratio SAMPLER_ARG=0.1 measures a sampled tenth); spans leave within 100 ms, metrics every second, so the export work
 # the N requests cause happens inside the counted window (SETTLE waits for the last batch).
 on=$(OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:18080 OTEL_TRACES_SAMPLER=${SAMPLER:-always_on} OTEL_TRACES_SAMPLER_ARG=${SAMPLER_ARG:-1} \
-  OTEL_BSP_SCHEDULE_DELAY=${DELAY:-1000} OTEL_METRIC_EXPORT_INTERVAL=${METRIC_MS:-5000} TOLLGATE_LOG=warn SETTLE=${SETTLE_ON:-6} \
+  OTEL_BSP_SCHEDULE_DELAY=${DELAY:-1000} OTEL_METRIC_EXPORT_INTERVAL=${METRIC_MS:-5000} TOLLGATE_LOG=warn SETTLE=${SETTLE_ON:-6} PRE_SETTLE=2 \
   measure on "$PORT" "$BIN" serve --policy "$POLICY")
 traces=$(grep -c 'POST /v1/traces HTTP[^"]*" 200' /tmp/tollgate-bench-otlp.log 2>/dev/null || true)
 metrics=$(grep -c 'POST /v1/metrics HTTP[^"]*" 200' /tmp/tollgate-bench-otlp.log 2>/dev/null || true)

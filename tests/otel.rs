@@ -478,6 +478,37 @@ async fn an_unsampled_trace_exports_no_span_but_still_counts_and_propagates_its_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_traced_attempt_sends_only_its_own_trace_context() {
+    let _turn = TURN.lock().await;
+    let rx = Receiver::start().await;
+    otel::install(&rx.settings()).expect("install");
+    let up = MockUpstream::start(vec![]).await;
+    let sc = Sidecar::start(&chain_yaml(&up, &up)).await;
+    // A malformed traceparent starts a trace of tollgate's own; the tracestate that came
+    // with it belongs to no trace and is not passed on.
+    let (st, _, out) = post_json(
+        &sc.chat_url(),
+        &j!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}),
+        &[
+            ("traceparent", "00-not-a-trace-01"),
+            ("tracestate", "vendor=stale"),
+        ],
+    )
+    .await;
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&out));
+    let seen = &up.requests()[0];
+    let sent: Vec<_> = seen.headers.get_all("traceparent").iter().collect();
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    let sent = sent[0].to_str().unwrap();
+    assert!(
+        sent.len() == 55 && sent.starts_with("00-") && sent.ends_with("-01"),
+        "{sent}"
+    );
+    assert_eq!(seen.headers.get_all("tracestate").iter().count(), 0);
+    otel::shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_grpc_the_collector_gets_the_same_trace_and_metrics() {
     let _turn = TURN.lock().await;
     let rx = Receiver::start_grpc().await;

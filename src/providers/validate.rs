@@ -5,19 +5,40 @@
 use crate::estimate::Endpoint;
 use crate::stream::StreamUsage;
 use http::{header, HeaderMap, StatusCode};
-use serde::de::IgnoredAny;
-use serde::Deserialize;
+use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer};
 use serde_json::value::RawValue;
+use std::fmt;
+use std::marker::PhantomData;
 
+/// The answer's shape. `C` reads `choices` and `M` reads `model`: ignored when only the shape
+/// and the usage are wanted, read when the caller also wants what the answer says of itself
+/// ([`Said`]), so one pass does both.
 #[derive(Deserialize)]
-struct Shape<'a> {
+#[serde(bound(deserialize = "C: Deserialize<'de>, M: Deserialize<'de>"))]
+struct Shape<'a, C, M> {
     #[serde(default)]
-    choices: Option<Vec<IgnoredAny>>,
+    choices: Option<C>,
     #[serde(default)]
     data: Option<Vec<IgnoredAny>>,
+    #[serde(default)]
+    model: Option<M>,
     /// Kept raw: a malformed usage object does not make the answer malformed.
     #[serde(default, borrow)]
     usage: Option<&'a RawValue>,
+}
+
+impl<C, M> Shape<'_, C, M> {
+    fn ok(&self, endpoint: Endpoint) -> bool {
+        match endpoint {
+            Endpoint::Embeddings => self.data.is_some(),
+            Endpoint::Chat | Endpoint::Completions => self.choices.is_some(),
+        }
+    }
+
+    fn usage(&self) -> Option<StreamUsage> {
+        self.usage.and_then(|u| serde_json::from_str(u.get()).ok())
+    }
 }
 
 /// A buffered OpenAI-shaped answer: a JSON object with `choices` (chat, completions) or
@@ -29,12 +50,153 @@ pub fn openai_answer_ok(endpoint: Endpoint, body: &[u8]) -> bool {
 /// [`openai_answer_ok`], in the same pass reading the answer's `usage` object (`Some(None)`:
 /// the answer is fine but has no readable usage), so the answer is parsed once.
 pub fn openai_answer(endpoint: Endpoint, body: &[u8]) -> Option<Option<StreamUsage>> {
-    let s = serde_json::from_slice::<Shape<'_>>(body).ok()?;
-    let ok = match endpoint {
-        Endpoint::Embeddings => s.data.is_some(),
-        Endpoint::Chat | Endpoint::Completions => s.choices.is_some(),
+    let s = serde_json::from_slice::<Shape<'_, Vec<IgnoredAny>, IgnoredAny>>(body).ok()?;
+    s.ok(endpoint).then(|| s.usage())
+}
+
+/// What an answer says of itself, for its trace: the response model and the distinct finish
+/// reasons of its choices (short unescaped strings only; others are left out).
+#[derive(Debug, Default)]
+pub struct Said<'a> {
+    pub model: Option<&'a str>,
+    pub finish: Reasons<'a>,
+}
+
+/// Distinct finish reasons in the order first seen, at most [`Reasons::MAX`] (`n` choices).
+#[derive(Debug, Default)]
+pub struct Reasons<'a> {
+    items: [&'a str; Reasons::MAX],
+    n: usize,
+}
+
+impl<'a> Reasons<'a> {
+    pub const MAX: usize = 8;
+
+    fn add(&mut self, r: &'a str) {
+        if self.n < Self::MAX && !self.items[..self.n].contains(&r) {
+            self.items[self.n] = r;
+            self.n += 1;
+        }
+    }
+
+    pub fn as_slice(&self) -> &[&'a str] {
+        &self.items[..self.n]
+    }
+}
+
+/// [`openai_answer`], also reading [`Said`] in the same pass. Accepts and refuses exactly the
+/// answers [`openai_answer`] does: what is read is read leniently (a `model` or a
+/// `finish_reason` that is not a plain string is left out, never an error).
+pub fn openai_answer_said(
+    endpoint: Endpoint,
+    body: &[u8],
+) -> Option<(Option<StreamUsage>, Said<'_>)> {
+    let s = serde_json::from_slice::<Shape<'_, Choices<'_>, &RawValue>>(body).ok()?;
+    if !s.ok(endpoint) {
+        return None;
+    }
+    let usage = s.usage();
+    let said = Said {
+        model: s.model.and_then(plain),
+        finish: s.choices.map(|c| c.0).unwrap_or_default(),
     };
-    ok.then(|| s.usage.and_then(|u| serde_json::from_str(u.get()).ok()))
+    Some((usage, said))
+}
+
+/// A raw JSON value that is a short string without escapes, unquoted.
+fn plain(v: &RawValue) -> Option<&str> {
+    let s = v.get().strip_prefix('"')?.strip_suffix('"')?;
+    (s.len() <= 128 && !s.contains('\\')).then_some(s)
+}
+
+/// `choices`, read for each choice's `finish_reason` only. Like `Vec<IgnoredAny>`, any array
+/// is accepted and anything else refused.
+struct Choices<'a>(Reasons<'a>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Choices<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = Choices<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an array of choices")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Choices<'a>, A::Error> {
+                let mut r = Reasons::default();
+                while let Some(c) = seq.next_element::<Choice<'de>>()? {
+                    if let Some(reason) = c.0 {
+                        r.add(reason);
+                    }
+                }
+                Ok(Choices(r))
+            }
+        }
+        d.deserialize_seq(V(PhantomData))
+    }
+}
+
+/// One choice's `finish_reason`, when it is a plain string; any JSON value is accepted.
+struct Choice<'a>(Option<&'a str>);
+
+/// Whether a key is `finish_reason`.
+struct IsFinish(bool);
+
+impl<'de> Deserialize<'de> for IsFinish {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = IsFinish;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a key")
+            }
+            fn visit_str<E: de::Error>(self, k: &str) -> Result<IsFinish, E> {
+                Ok(IsFinish(k == "finish_reason"))
+            }
+        }
+        d.deserialize_identifier(V)
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Choice<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(PhantomData<&'a ()>);
+        macro_rules! other {
+            ($($f:ident: $t:ty),*) => {$(
+                fn $f<E: de::Error>(self, _: $t) -> Result<Choice<'a>, E> {
+                    Ok(Choice(None))
+                }
+            )*};
+        }
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = Choice<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a choice")
+            }
+            other!(visit_bool: bool, visit_i64: i64, visit_u64: u64, visit_f64: f64, visit_str: &str, visit_bytes: &[u8]);
+            fn visit_unit<E: de::Error>(self) -> Result<Choice<'a>, E> {
+                Ok(Choice(None))
+            }
+            fn visit_none<E: de::Error>(self) -> Result<Choice<'a>, E> {
+                Ok(Choice(None))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Choice<'a>, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(Choice(None))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Choice<'a>, A::Error> {
+                let mut reason = None;
+                while let Some(IsFinish(f)) = m.next_key::<IsFinish>()? {
+                    if f {
+                        reason = plain(m.next_value::<&'de RawValue>()?);
+                    } else {
+                        m.next_value::<IgnoredAny>()?;
+                    }
+                }
+                Ok(Choice(reason))
+            }
+        }
+        d.deserialize_any(V(PhantomData))
+    }
 }
 
 /// A streamed answer's head: not a 204, not declared empty, and typed as a stream (SSE or
@@ -86,6 +248,53 @@ mod tests {
             openai_answer(Endpoint::Chat, br#"{"choices":[],"usage":"lots"}"#),
             Some(None)
         );
+    }
+
+    #[test]
+    fn the_answer_is_read_for_its_trace_in_the_same_pass_and_as_leniently() {
+        let bodies: [&[u8]; 14] = [
+            br#"{"model":"gpt-4o","choices":[{"index":0,"message":{"content":"say \"finish_reason\":\"evil\""},"finish_reason":"stop"},{"finish_reason":"length"},{"finish_reason":"stop"}],"usage":{"prompt_tokens":9,"completion_tokens":2}}"#,
+            br#"{"choices":[1,"x",null,true,[{"finish_reason":"no"}],{"finish_reason":5},{"finish_reason":null},{"finish_r\u0065ason":"escaped_key"}]}"#,
+            br#"{"model":"a\"b","choices":[{"finish_reason":"with\nescape"}]}"#,
+            br#"{"model":7,"choices":[]}"#,
+            br#"{"model":{"x":1},"data":[{}]}"#,
+            br#"{"choices":{"finish_reason":"stop"}}"#,
+            br#"{"choices":"none"}"#,
+            br#"{"choices":[{"finish_reason":"stop"}"#,
+            br#"{"choices":[{"finish_reason":"stop",}]}"#,
+            br#"{"data":[]}"#,
+            br#"[]"#,
+            b"",
+            br#"{"choices":[],"usage":"lots"}"#,
+            br#"{"choices":[{"finish_reason":"a"},{"finish_reason":"b"},{"finish_reason":"c"},{"finish_reason":"d"},{"finish_reason":"e"},{"finish_reason":"f"},{"finish_reason":"g"},{"finish_reason":"h"},{"finish_reason":"i"}]}"#,
+        ];
+        for b in bodies {
+            for e in [Endpoint::Chat, Endpoint::Embeddings] {
+                let plain = openai_answer(e, b);
+                let said = openai_answer_said(e, b);
+                assert_eq!(
+                    plain.is_some(),
+                    said.is_some(),
+                    "{e:?} {}",
+                    String::from_utf8_lossy(b)
+                );
+                if let (Some(u), Some((v, _))) = (plain, said) {
+                    assert_eq!(u, v);
+                }
+            }
+        }
+        let (usage, said) = openai_answer_said(Endpoint::Chat, bodies[0]).unwrap();
+        assert_eq!(usage.unwrap().prompt_tokens, Some(9));
+        assert_eq!(said.model, Some("gpt-4o"));
+        assert_eq!(said.finish.as_slice(), ["stop", "length"]);
+        // Only plain strings are taken; an escaped key is still the key.
+        let (_, said) = openai_answer_said(Endpoint::Chat, bodies[1]).unwrap();
+        assert_eq!(said.model, None);
+        assert_eq!(said.finish.as_slice(), ["escaped_key"]);
+        let (_, said) = openai_answer_said(Endpoint::Chat, bodies[2]).unwrap();
+        assert_eq!((said.model, said.finish.as_slice()), (None, &[][..]));
+        let (_, said) = openai_answer_said(Endpoint::Chat, bodies[13]).unwrap();
+        assert_eq!(said.finish.as_slice().len(), Reasons::MAX);
     }
 
     #[test]

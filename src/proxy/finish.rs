@@ -29,7 +29,7 @@ pub enum Sent {
     Whole,
     /// Streamed: its wall time includes the streaming itself, so it is kept out of the
     /// overhead histogram; its trace left the request task with the stream.
-    Streamed(Option<RequestTrace>),
+    Streamed(Option<Box<RequestTrace>>),
 }
 
 /// Records a finished request: metrics (and alerts against `policy`'s windows), then the end

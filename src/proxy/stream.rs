@@ -36,7 +36,7 @@ pub struct Tail {
     /// The backend's in-flight slot: given back when the stream ends.
     pub permit: Option<InFlight>,
     /// The request's OpenTelemetry trace, ended with the stream.
-    pub otel: Option<crate::telemetry::otel::RequestTrace>,
+    pub otel: Option<Box<crate::telemetry::otel::RequestTrace>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

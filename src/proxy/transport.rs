@@ -216,6 +216,9 @@ pub struct NativeBody<'a> {
 }
 
 /// Client headers that never go upstream: hop-by-hop, credentials, our own.
+const TRACEPARENT: http::HeaderName = http::HeaderName::from_static("traceparent");
+const TRACESTATE: http::HeaderName = http::HeaderName::from_static("tracestate");
+
 fn forwardable(name: &http::HeaderName) -> bool {
     let n = name.as_str();
     !(is_hop_by_hop(name)
@@ -288,6 +291,7 @@ impl Call<'_> {
         spec: &CallSpec<'_>,
         provider: Adapter,
         wire: Wire,
+        traced: bool,
     ) -> Result<Request<Full<Bytes>>, Untranslatable> {
         let backend = spec.backend;
         let native = match self.passed(wire) {
@@ -320,7 +324,8 @@ impl Call<'_> {
             .headers_mut()
             .ok_or_else(|| Untranslatable("bad request builder".into()))?;
         for (k, v) in self.client_headers {
-            if forwardable(k) {
+            // A traced attempt sends its own trace context (see `Attempt::inject`).
+            if forwardable(k) && !(traced && (k == TRACEPARENT || k == TRACESTATE)) {
                 h.append(k.clone(), v.clone());
             }
         }
@@ -360,7 +365,7 @@ impl Call<'_> {
         let start = Instant::now();
         let deadline = start + t.total;
         let wire = self.wire(backend, provider);
-        let mut req = match self.build(&spec, provider, wire) {
+        let mut req = match self.build(&spec, provider, wire, span.is_some()) {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(backend = %backend.id, error = %e, "request cannot be sent to this backend: skipped");
@@ -490,9 +495,7 @@ impl Call<'_> {
             let read = provider
                 .pass_answer(n.format, &b, &self.envelope(&spec))
                 .ok()
-                .and_then(|i| {
-                    providers::validate::openai_answer(self.endpoint, &i).map(|u| (i, u))
-                });
+                .and_then(|i| read_answer(self.endpoint, &i, span).map(|u| (i, u)));
             let (internal, usage) = match read {
                 Some(r) => r,
                 None => {
@@ -518,7 +521,7 @@ impl Call<'_> {
             Ok(None)
         };
         let (body, usage) = match translated {
-            Ok(None) => match providers::validate::openai_answer(self.endpoint, &b) {
+            Ok(None) => match read_answer(self.endpoint, &b, span) {
                 Some(usage) => (b, Some(usage)),
                 None => {
                     // A 2xx that is not the answer (an HTML page, empty, a 204): fail over.
@@ -548,6 +551,25 @@ impl Call<'_> {
             permit: None,
         })
     }
+}
+
+/// Reads a buffered OpenAI-shaped answer for its shape and usage; under an attempt's span,
+/// in the same pass what the answer says of itself, for the trace (its body is then not
+/// scanned again).
+fn read_answer(
+    endpoint: Endpoint,
+    b: &[u8],
+    span: Option<&crate::telemetry::otel::Attempt>,
+) -> Option<Option<StreamUsage>> {
+    let Some(span) = span else {
+        return providers::validate::openai_answer(endpoint, b);
+    };
+    let (usage, said) = providers::validate::openai_answer_said(endpoint, b)?;
+    let cached = usage
+        .and_then(|u| u.prompt_tokens_details)
+        .and_then(|d| d.cached_tokens);
+    crate::telemetry::otel::note_said(span, &said, cached);
+    Some(usage)
 }
 
 async fn read_body(body: Incoming, deadline: Instant, limit: usize) -> Result<Bytes, FailureClass> {

@@ -261,7 +261,8 @@ async fn governed(
     let gone = Arc::new(AtomicBool::new(false));
     let app = app.clone();
     // The request's trace (when OTLP export is on) lives in the future that does the work.
-    // Boxed: with export off (the usual case) the work carries a pointer, not the trace.
+    // Boxed: with export off (the usual case) the work carries a pointer, not the trace, and
+    // with it on, the task-local that holds it swaps a pointer on each poll.
     let trace = crate::telemetry::otel::get().map(|o| Box::new(o.start(req.headers(), endpoint)));
     let work = CLIENT_GONE.scope(gone.clone(), async move {
         let mut meta = Meta::default();
@@ -270,7 +271,7 @@ async fn governed(
         );
         let resp = match trace {
             None => fut.await,
-            Some(t) => Box::pin(crate::telemetry::otel::scope(*t, fut)).await,
+            Some(t) => crate::telemetry::otel::scope(t, fut).await,
         };
         (resp, meta)
     });

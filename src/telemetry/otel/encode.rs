@@ -5,6 +5,7 @@
 
 use super::proto::Writer;
 use super::spans::{Finished, Outcome, STATE_KEYS};
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -87,12 +88,11 @@ fn sat(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
-/// The answer's GenAI attributes (response model, usage, cache, finish reasons).
-fn answer_attrs(w: &mut Writer<'_>, f: &Finished) {
+/// The answer's GenAI attributes: the response model and finish reasons (`said`, from
+/// [`Said::update`]), then the usage and cache counts.
+fn answer_attrs(w: &mut Writer<'_>, f: &Finished, said: &[u8]) {
     let d = &f.decision;
-    if let Some(m) = f.notes.model.as_deref().or(d.upstream_model.as_deref()) {
-        w.attr_str(A, "gen_ai.response.model", m);
-    }
+    w.0.extend_from_slice(said);
     if let Some((i, o)) = d.usage {
         w.attr_int(A, "gen_ai.usage.input_tokens", sat(i));
         w.attr_int(A, "gen_ai.usage.output_tokens", sat(o));
@@ -107,12 +107,46 @@ fn answer_attrs(w: &mut Writer<'_>, f: &Finished) {
             sat(d.cache_write_tokens),
         );
     }
-    if !f.notes.finish.is_empty() {
-        w.attr_strs(
-            A,
-            "gen_ai.response.finish_reasons",
-            f.notes.finish.iter().map(|r| r.as_ref()),
-        );
+}
+
+/// The last answer's response model and finish reasons, encoded: both spans of a served
+/// request carry them, and consecutive answers mostly say the same.
+#[derive(Debug, Default)]
+struct Said {
+    model: Option<Arc<str>>,
+    finish: Vec<Cow<'static, str>>,
+    block: Vec<u8>,
+}
+
+impl Said {
+    /// Makes [`Said::block`] that of `f`'s answer, encoding it only when it differs from the
+    /// last one.
+    fn update(&mut self, f: &Finished) {
+        let model = f
+            .notes
+            .model
+            .as_ref()
+            .or(f.decision.upstream_model.as_ref());
+        if !self.block.is_empty()
+            && self.model.as_deref() == model.map(|m| &**m)
+            && self.finish == f.notes.finish
+        {
+            return;
+        }
+        self.block.clear();
+        let mut w = Writer(&mut self.block);
+        if let Some(m) = model {
+            w.attr_str(A, "gen_ai.response.model", m);
+        }
+        if !f.notes.finish.is_empty() {
+            w.attr_strs(
+                A,
+                "gen_ai.response.finish_reasons",
+                f.notes.finish.iter().map(|r| r.as_ref()),
+            );
+        }
+        self.model = model.cloned();
+        self.finish.clone_from(&f.notes.finish);
     }
 }
 
@@ -124,6 +158,7 @@ fn answer_attrs(w: &mut Writer<'_>, f: &Finished) {
 pub(crate) struct Blocks {
     server: Memo<ServerKey>,
     client: Memo<ClientKey>,
+    said: Said,
 }
 
 /// Most distinct sets kept per kind (a consumer id per caller could make many): past it, the
@@ -307,6 +342,9 @@ fn span(out: &mut Vec<u8>, body: impl FnOnce(&mut Writer<'_>)) {
 pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished) {
     let d = &f.decision;
     let mut status = itoa::Buffer::new();
+    if f.served().is_some() {
+        blocks.said.update(f);
+    }
     span(out, |w| {
         head(
             w,
@@ -329,7 +367,7 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished)
             );
         }
         if f.served().is_some() {
-            answer_attrs(w, f);
+            answer_attrs(w, f, &blocks.said.block);
         }
         w.attr_str(A, "tollgate.request_id", &d.request_id);
         w.attr_str(A, "tollgate.job_id", &d.job_id);
@@ -362,7 +400,7 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished)
             w.attr_int(A, "tollgate.attempt", i64::from(a.attempt));
             let error: Option<&str> = match a.outcome {
                 Outcome::Served => {
-                    answer_attrs(w, f);
+                    answer_attrs(w, f, &blocks.said.block);
                     w.attr_int(A, "http.response.status_code", i64::from(d.http_status));
                     None
                 }
@@ -505,6 +543,42 @@ mod tests {
         }
         assert_eq!(blocks.server.map.len(), 3);
         assert_eq!(blocks.client.map.len(), 2);
+    }
+
+    #[test]
+    fn each_answer_carries_its_own_response_model_and_finish_reasons() {
+        use std::borrow::Cow;
+        let mut blocks = Blocks::default();
+        let cases: [(Option<&str>, &[&'static str]); 5] = [
+            (Some("resp-1"), &["stop"]),
+            (Some("resp-1"), &["stop"]),
+            (Some("resp-2"), &["stop"]),
+            (Some("resp-2"), &["length", "tool_calls"]),
+            (None, &[]),
+        ];
+        for (model, finish) in cases {
+            let mut f = finished("alice", None, "m1");
+            f.notes.model = model.map(Arc::from);
+            f.notes.finish = finish.iter().map(|r| Cow::Borrowed(*r)).collect();
+            let mut out = Vec::new();
+            encode_spans(&mut blocks, &mut out, &f);
+            for sp in decode(&out) {
+                assert_eq!(attr(&sp, "gen_ai.response.model").as_deref(), model);
+                let reasons = attr(&sp, "gen_ai.response.finish_reasons");
+                if finish.is_empty() {
+                    assert_eq!(reasons, None);
+                } else {
+                    let r = reasons.unwrap();
+                    for want in finish {
+                        assert!(r.contains(want), "{r}");
+                    }
+                }
+                assert_eq!(
+                    attr(&sp, "gen_ai.usage.output_tokens").as_deref(),
+                    Some("IntValue(2)")
+                );
+            }
+        }
     }
 
     #[test]

@@ -52,7 +52,7 @@ static ON: AtomicBool = AtomicBool::new(false);
 static OTEL: ArcSwapOption<Otel> = ArcSwapOption::const_empty();
 
 tokio::task_local! {
-    static REQUEST: RefCell<Option<RequestTrace>>;
+    static REQUEST: RefCell<Option<Box<RequestTrace>>>;
 }
 
 /// Whether export is on: the request path's only check when it is off.
@@ -148,9 +148,10 @@ impl Otel {
 }
 
 /// Runs `fut` (a governed request) under `trace`. The server span ends in [`finish`] or, for
-/// a stream, when the stream [`take`]s it and ends.
-pub async fn scope<F: Future>(trace: RequestTrace, fut: F) -> F::Output {
-    REQUEST.scope(RefCell::new(Some(trace)), fut).await
+/// a stream, when the stream [`take`]s it and ends. Boxed: the task-local is swapped in and
+/// out on every poll of `fut`, a pointer rather than the trace's ~200 bytes.
+pub fn scope<F: Future>(trace: Box<RequestTrace>, fut: F) -> impl Future<Output = F::Output> {
+    REQUEST.scope(RefCell::new(Some(trace)), fut)
 }
 
 /// Runs `f` on the request's trace, if this task is in a [`scope`].
@@ -159,7 +160,7 @@ fn with<R>(f: impl FnOnce(&mut RequestTrace) -> R) -> Option<R> {
         return None;
     }
     REQUEST
-        .try_with(|c| c.borrow_mut().as_mut().map(f))
+        .try_with(|c| c.borrow_mut().as_mut().map(|t| f(t)))
         .ok()
         .flatten()
 }
@@ -171,12 +172,23 @@ pub fn attempt(spec: &crate::governor::CallSpec<'_>) -> Option<Attempt> {
 
 /// Reads what a buffered answer says of itself (response model, finish reasons, cached
 /// tokens) for the request's span.
+/// A body the transport has read already ([`note_said`]) is not scanned again.
 pub fn note_body(body: &[u8]) {
-    with(|t| t.notes.scan(body, t.ids.sampled));
+    with(|t| {
+        if !t.notes.read {
+            t.notes.scan(body, t.ids.sampled);
+        }
+    });
+}
+
+/// Notes what a served answer said of itself, read in the transport's own parse of it
+/// (`cached`: the usage's cached input tokens, when it states them).
+pub fn note_said(span: &Attempt, said: &crate::providers::validate::Said<'_>, cached: Option<u64>) {
+    with(|t| t.notes.said(span.model(), said, cached, t.ids.sampled));
 }
 
 /// Takes the request's trace out of the scope (a stream finishes it when it ends).
-pub fn take() -> Option<RequestTrace> {
+pub fn take() -> Option<Box<RequestTrace>> {
     with(|_| ())?;
     REQUEST.try_with(|c| c.borrow_mut().take()).ok().flatten()
 }

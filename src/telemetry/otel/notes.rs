@@ -1,6 +1,7 @@
 //! What an answer says of itself (response model, finish reasons, cached input tokens), read
 //! from its bytes without keeping any text.
 
+use crate::providers::validate::Said;
 use memchr::memmem::Finder;
 use std::borrow::Cow;
 use std::sync::{Arc, LazyLock};
@@ -18,6 +19,8 @@ pub(crate) struct Notes {
     pub model: Option<Arc<str>>,
     pub finish: Vec<Cow<'static, str>>,
     pub cached: Option<u64>,
+    /// Read already, in the transport's parse of the answer ([`Notes::said`]).
+    pub read: bool,
 }
 
 /// At most this many finish reasons are kept (`n` choices).
@@ -49,12 +52,7 @@ impl Notes {
         while let Some(i) = FINISH.find(rest) {
             rest = &rest[i + 15..];
             if let Some(s) = string_at(rest) {
-                if self.finish.len() < MAX_FINISH && !self.finish.iter().any(|f| f == s) {
-                    self.finish.push(match KNOWN.iter().find(|k| **k == s) {
-                        Some(k) => Cow::Borrowed(*k),
-                        None => Cow::Owned(s.to_string()),
-                    });
-                }
+                self.add_finish(s);
             }
         }
         if let Some(i) = CACHED.find(b) {
@@ -62,6 +60,45 @@ impl Notes {
             if n.is_some() {
                 self.cached = n;
             }
+        }
+    }
+}
+
+impl Notes {
+    /// Takes what the transport read from a served answer in its own parse of it (the body is
+    /// then not scanned again): the model (the attempt's own `Arc` when they are the same),
+    /// the finish reasons and the cached input tokens.
+    pub fn said(
+        &mut self,
+        attempt_model: &Arc<str>,
+        s: &Said<'_>,
+        cached: Option<u64>,
+        spans: bool,
+    ) {
+        self.read = true;
+        self.model = s.model.map(|m| {
+            if m == &**attempt_model {
+                attempt_model.clone()
+            } else {
+                Arc::from(m)
+            }
+        });
+        if !spans {
+            return;
+        }
+        self.finish.clear();
+        for r in s.finish.as_slice() {
+            self.add_finish(r);
+        }
+        self.cached = cached;
+    }
+
+    fn add_finish(&mut self, s: &str) {
+        if self.finish.len() < MAX_FINISH && !self.finish.iter().any(|f| f == s) {
+            self.finish.push(match KNOWN.iter().find(|k| **k == s) {
+                Some(k) => Cow::Borrowed(*k),
+                None => Cow::Owned(s.to_string()),
+            });
         }
     }
 }

@@ -311,20 +311,21 @@ impl RequestTrace {
 
 impl Attempt {
     /// Writes this attempt's `traceparent` (and the caller's `tracestate`) on the upstream
-    /// request, replacing any the client sent.
+    /// request, which carries none of the client's (the transport does not forward them on a
+    /// traced attempt).
     pub fn inject(&self, headers: &mut http::HeaderMap) {
         let tp = context::traceparent(&self.ids.trace_id, &self.span_id, self.ids.sampled);
         if let Ok(v) = HeaderValue::from_bytes(&tp) {
             headers.insert(TRACEPARENT, v);
         }
-        match &self.ids.tracestate {
-            Some(ts) => {
-                headers.insert(TRACESTATE, ts.clone());
-            }
-            None => {
-                headers.remove(TRACESTATE);
-            }
+        if let Some(ts) = &self.ids.tracestate {
+            headers.insert(TRACESTATE, ts.clone());
         }
+    }
+
+    /// The chain entry's upstream model.
+    pub(super) fn model(&self) -> &Arc<str> {
+        &self.model
     }
 
     fn done(self, end_ns: u64, outcome: Outcome) -> AttemptDone {

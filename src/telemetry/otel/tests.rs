@@ -225,7 +225,7 @@ async fn otel_cost() {
     let one = || async {
         let o = super::get().unwrap();
         let t = o.start(&headers, crate::estimate::Endpoint::Chat);
-        super::scope(t, async {
+        super::scope(Box::new(t), async {
             let model: Arc<str> = Arc::from("m");
             let spec = CallSpec {
                 backend,
