@@ -5,7 +5,7 @@
 use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use serde_json::{json, Value};
 use std::time::Duration;
-use tollgate::estimate::count::forget_counts;
+use tollgate::estimate::count::{forget_counts, forget_words};
 use tollgate::estimate::{estimate, warm_up, Endpoint, Tokenizer};
 
 #[rustfmt::skip]
@@ -94,6 +94,13 @@ fn prose(bytes: usize, seed: u64) -> String {
 
 /// A chat body whose message contents add up to `bytes`: system, user, assistant, user.
 fn chat_body(bytes: usize) -> Value {
+    chat_body_seeded(bytes, 1)
+}
+
+/// [`chat_body`] with texts of their own: a different `seed` gives different sentences from
+/// the same words (another document in the same language).
+fn chat_body_seeded(bytes: usize, seed: u64) -> Value {
+    let seed = seed.wrapping_mul(4);
     let sys = bytes / 20;
     let user1 = bytes / 2;
     let asst = bytes / 5;
@@ -104,10 +111,10 @@ fn chat_body(bytes: usize) -> Value {
         "stream": true,
         "stream_options": {"include_usage": true},
         "messages": [
-            {"role": "system", "content": prose(sys, 1)},
-            {"role": "user", "content": prose(user1, 2)},
-            {"role": "assistant", "content": prose(asst, 3)},
-            {"role": "user", "content": [{"type": "text", "text": prose(user2, 4)}]},
+            {"role": "system", "content": prose(sys, seed + 1)},
+            {"role": "user", "content": prose(user1, seed + 2)},
+            {"role": "assistant", "content": prose(asst, seed + 3)},
+            {"role": "user", "content": [{"type": "text", "text": prose(user2, seed + 4)}]},
         ]
     })
 }
@@ -123,6 +130,9 @@ fn bench(c: &mut Criterion) {
         ]
     });
 
+    // A text never seen before, in a language this thread has counted before: each iteration
+    // a new body (new sentences from the same words); the memo of texts is emptied, the
+    // thread's table of pieces stays warm from the bodies before it (as on a serving worker).
     let mut g = c.benchmark_group("chat_100KB");
     g.throughput(Throughput::Bytes(100 * 1024));
     for (name, tok) in [
@@ -130,10 +140,31 @@ fn bench(c: &mut Criterion) {
         ("cl100k", Tokenizer::Cl100k),
         ("chars", Tokenizer::Chars),
     ] {
-        // Each text seen for the first time: the memo of counts is emptied before each run.
+        let mut seed = 100;
         g.bench_function(name, |b| {
             b.iter_batched(
-                forget_counts,
+                || {
+                    forget_counts();
+                    seed += 1;
+                    chat_body_seeded(100 * 1024, seed)
+                },
+                |body| estimate(Endpoint::Chat, black_box(&body), tok),
+                BatchSize::PerIteration,
+            )
+        });
+    }
+    g.finish();
+
+    // The worst case: a fresh thread's first text (no memo, no remembered pieces).
+    let mut g = c.benchmark_group("chat_100KB_cold");
+    g.throughput(Throughput::Bytes(100 * 1024));
+    for (name, tok) in [("o200k", Tokenizer::O200k), ("cl100k", Tokenizer::Cl100k)] {
+        g.bench_function(name, |b| {
+            b.iter_batched(
+                || {
+                    forget_counts();
+                    forget_words();
+                },
                 |()| estimate(Endpoint::Chat, black_box(&big), tok),
                 BatchSize::PerIteration,
             )

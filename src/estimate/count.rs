@@ -9,8 +9,8 @@
 //!
 //! The library's own `count` runs a regex per piece and a full BPE per piece; we produce the
 //! identical count several times faster on English by splitting ASCII text by hand (`pretok`),
-//! answering whole-token pieces with one table lookup (`ranks`), and remembering each piece's
-//! count within one text (`PieceCache`).
+//! answering whole-token pieces with one table lookup (`ranks`), and remembering pieces' counts
+//! per thread across texts (`Words`).
 
 use super::ranks::Ranks;
 use super::tables::{tables, Tables};
@@ -112,74 +112,114 @@ pub(crate) fn ranks_for(tok: Tokenizer) -> Option<&'static Ranks> {
 
 /// The library's `Tokenizer::count(s)`, exactly (tested), faster and in a fraction of its
 /// memory: ASCII runs are split by [`pretok::AsciiSplit`] instead of the regex, pieces are
-/// counted by [`Ranks`] through [`PieceCache`]. (Neither tokenizer normalizes its input.)
+/// counted by [`Ranks`] through this thread's [`Words`]. (Neither tokenizer normalizes its
+/// input.)
 fn bpe_count(t: &'static Tables, kind: Tokenizer, s: &str) -> u64 {
-    let mut cache = PieceCache::new(s.len(), &t.ranks);
+    WORDS.with(|w| match w.try_borrow_mut() {
+        Ok(mut w) => count_pieces(t, kind, s, w.table(kind)),
+        // Not reentrant, but never reached from within itself: counted without the table.
+        Err(_) => count_pieces(t, kind, s, &mut []),
+    })
+}
+
+fn count_pieces(t: &'static Tables, kind: Tokenizer, s: &str, words: &mut [Word]) -> u64 {
     let mut total: u64 = 0;
     for (chunk, ascii) in pretok::chunks(s) {
         if ascii {
             for piece in pretok::AsciiSplit::new(kind, chunk) {
-                total = total.saturating_add(cache.count(piece));
+                total = total.saturating_add(count_piece(&t.ranks, words, piece));
             }
         } else if let Some(split) = &t.split {
             for piece in split.split(chunk) {
-                total = total.saturating_add(cache.count(piece.as_bytes()));
+                total = total.saturating_add(count_piece(&t.ranks, words, piece.as_bytes()));
             }
         } else {
-            total = total.saturating_add(cache.count(chunk.as_bytes()));
+            total = total.saturating_add(count_piece(&t.ranks, words, chunk.as_bytes()));
         }
     }
     total
 }
 
-/// Per-piece counting with two shortcuts before running the BPE merges: a piece that is a
-/// whole vocabulary token counts 1 (one lookup in [`Ranks`]), and in long texts each piece's
-/// count is remembered.
-/// English repeats its words, so most pieces of a long prompt are hits. The memo is
-/// direct-mapped: a slot holds the last piece that hashed to it, so a collision (accidental or
-/// crafted) only costs a miss, never more than counting uncached.
-struct PieceCache<'a> {
-    slots: Vec<Option<(&'a [u8], u32)>>,
-    ranks: &'static Ranks,
+/// One slot of [`Words`]: a piece of at most [`Word::MAX`] bytes and its token count.
+#[derive(Clone, Copy)]
+struct Word {
+    key: [u8; Word::MAX],
+    len: u8,
+    count: u8,
 }
 
-impl<'a> PieceCache<'a> {
-    /// Texts shorter than this are counted without a memo.
-    const MIN_TEXT: usize = 2048;
-    /// Slot count bounds (powers of two); in between, one slot per 16 bytes of text.
-    const MIN_SLOTS: usize = 512;
-    const MAX_SLOTS: usize = 16384;
+impl Word {
+    /// Longest piece remembered (English words with their leading space are far shorter).
+    const MAX: usize = 22;
+    const EMPTY: Word = Word {
+        key: [0; Word::MAX],
+        len: 0,
+        count: 0,
+    };
+}
 
-    fn new(text_len: usize, ranks: &'static Ranks) -> Self {
-        let slots = if text_len >= Self::MIN_TEXT {
-            let n = (text_len / 16)
-                .next_power_of_two()
-                .clamp(Self::MIN_SLOTS, Self::MAX_SLOTS);
-            vec![None; n]
-        } else {
-            Vec::new()
-        };
-        PieceCache { slots, ranks }
-    }
+/// Pieces' counts, remembered per thread and per tokenizer across texts and requests: English
+/// repeats its words within a prompt and from one prompt to the next, so most pieces of a new
+/// text are answered by one lookup here instead of a vocabulary lookup or a run of BPE
+/// merges. Direct-mapped and keyed by the piece's bytes (compared exactly, not by hash): a slot
+/// holds the last piece that hashed to it, so a collision (accidental or crafted) only costs a
+/// miss, never a wrong count. Per thread, so no lock and no sharing: each runtime worker keeps
+/// its own ([`Words::SLOTS`] × 24 bytes, 384 KiB, per tokenizer it has counted with).
+struct Words {
+    tables: [Vec<Word>; 2],
+}
 
-    #[inline]
-    fn count(&mut self, piece: &'a [u8]) -> u64 {
-        if piece.len() > vocab::MAX_PIECE || self.slots.is_empty() {
-            return to_u64(self.ranks.count(piece));
+impl Words {
+    const SLOTS: usize = 16384;
+
+    fn table(&mut self, kind: Tokenizer) -> &mut [Word] {
+        let t = &mut self.tables[usize::from(kind == Tokenizer::Cl100k)];
+        if t.is_empty() {
+            *t = vec![Word::EMPTY; Self::SLOTS];
         }
-        let mask = self.slots.len().wrapping_sub(1);
-        let slot = self.slots.get_mut(vocab::hash_piece(piece) as usize & mask);
-        if let Some(Some((key, n))) = slot.as_deref() {
-            if vocab::same_bytes(key, piece) {
-                return u64::from(*n);
-            }
-        }
-        let n = to_u64(self.ranks.count(piece));
-        if let Some(slot) = slot {
-            *slot = Some((piece, u32::try_from(n).unwrap_or(u32::MAX)));
-        }
-        n
+        t
     }
+}
+
+thread_local! {
+    static WORDS: std::cell::RefCell<Words> = const {
+        std::cell::RefCell::new(Words { tables: [Vec::new(), Vec::new()] })
+    };
+}
+
+/// Forgets the pieces' counts this thread remembers (benchmarks of a cold start).
+#[doc(hidden)]
+pub fn forget_words() {
+    WORDS.with(|w| {
+        if let Ok(mut w) = w.try_borrow_mut() {
+            w.tables = [Vec::new(), Vec::new()];
+        }
+    });
+}
+
+/// The count of one piece, from `words` when it is there; counted by [`Ranks`] (a whole-token
+/// lookup, else the BPE merges) and remembered when it is not.
+#[inline]
+fn count_piece(ranks: &Ranks, words: &mut [Word], piece: &[u8]) -> u64 {
+    let n = piece.len();
+    if n > Word::MAX || words.is_empty() {
+        return to_u64(ranks.count(piece));
+    }
+    let i = vocab::hash_piece(piece) as usize & (words.len() - 1);
+    let Some(w) = words.get_mut(i) else {
+        return to_u64(ranks.count(piece));
+    };
+    if usize::from(w.len) == n && vocab::same_bytes(&w.key[..n], piece) {
+        return u64::from(w.count);
+    }
+    let c = ranks.count(piece);
+    if let Ok(count) = u8::try_from(c) {
+        w.key[..n].copy_from_slice(piece);
+        // `n` ≤ `Word::MAX`.
+        w.len = n as u8;
+        w.count = count;
+    }
+    to_u64(c)
 }
 
 /// `ceil(chars / 4)`.
@@ -229,4 +269,76 @@ impl std::io::Write for CharCounter {
 /// `usize` → `u64` without a cast that could silently truncate on exotic targets.
 pub(crate) fn to_u64(n: usize) -> u64 {
     u64::try_from(n).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lib(tok: Tokenizer) -> &'static bpe_openai::Tokenizer {
+        if tok == Tokenizer::O200k {
+            bpe_openai::o200k_base()
+        } else {
+            bpe_openai::cl100k_base()
+        }
+    }
+
+    #[test]
+    fn pieces_that_share_a_slot_keep_their_own_counts() {
+        // Single pieces (as the splitter cuts them) that land in the same slot of the thread's
+        // table and count differently: a table that trusted its slot would get one wrong.
+        let mask = Words::SLOTS - 1;
+        let o200k = lib(Tokenizer::O200k);
+        let mut by_slot: std::collections::HashMap<usize, String> = Default::default();
+        let mut pairs = Vec::new();
+        for i in 0..40_000u32 {
+            // A space and letters only: one piece each.
+            let mut w = String::from(" q");
+            let mut n = i;
+            while n > 0 {
+                w.push(char::from(b'a' + (n % 26) as u8));
+                n /= 26;
+            }
+            let slot = vocab::hash_piece(w.as_bytes()) as usize & mask;
+            match by_slot.get(&slot) {
+                Some(other) if pairs.len() < 20 && o200k.count(other) != o200k.count(&w) => {
+                    pairs.push((other.clone(), w));
+                }
+                Some(_) => {}
+                None => {
+                    by_slot.insert(slot, w);
+                }
+            }
+        }
+        assert!(pairs.len() >= 10, "{}", pairs.len());
+        for tok in [Tokenizer::O200k, Tokenizer::Cl100k] {
+            for (a, b) in &pairs {
+                for s in [a, b, a, b, a] {
+                    // (Output counting skips the memo of texts: every call reaches the table.)
+                    assert_eq!(
+                        count_output_text(tok, s),
+                        lib(tok).count(s.as_str()) as u64,
+                        "{tok:?} {s:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn remembered_counts_equal_fresh_ones_from_one_text_to_the_next() {
+        let texts = [
+            "The quarterly revenue analysis is important, however the deployment is late.",
+            "However, the deployment's quarterly analysis: revenue is important (approximately).",
+            " unpredictable reconstructions re-evaluate well-known kubernetes migrations 2024 42",
+        ];
+        for tok in [Tokenizer::O200k, Tokenizer::Cl100k] {
+            forget_words();
+            let cold: Vec<u64> = texts.iter().map(|t| count_output_text(tok, t)).collect();
+            let warm: Vec<u64> = texts.iter().map(|t| count_output_text(tok, t)).collect();
+            let want: Vec<u64> = texts.iter().map(|t| lib(tok).count(t) as u64).collect();
+            assert_eq!(cold, want, "{tok:?}");
+            assert_eq!(warm, want, "{tok:?}");
+        }
+    }
 }

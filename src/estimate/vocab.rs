@@ -2,13 +2,10 @@
 //!
 //! Most pre-tokenized pieces of English (" the", " manual", ".") are a token of the vocabulary
 //! by themselves; `ranks` answers "is this piece a token, and which" with one lookup in a table
-//! hashed by [`hash_piece`], and `count` memoizes pieces per text with the same hash. It is a
+//! hashed by [`hash_piece`], and `count` remembers pieces per thread with the same hash. It is a
 //! fixed fast hash rather than SipHash: the vocabulary never changes after start-up and the memo
 //! is direct-mapped (a collision costs a miss), so crafted input cannot make either degrade
 //! beyond a probe sequence bounded by the table's load factor.
-
-/// Longest piece the estimator memoizes per text.
-pub(crate) const MAX_PIECE: usize = 24;
 
 /// A quick multiplicative hash of a short byte string, from (overlapping) 8- or 4-byte loads
 /// that together cover every byte of keys up to 24 bytes.
