@@ -28,7 +28,8 @@ off=$(TOLLGATE_LOG=warn SETTLE=1 measure off "$PORT" "$BIN" serve --policy "$POL
 rm -f /tmp/tollgate-bench.db*
 : > /tmp/tollgate-bench-otlp.log   # (nginx holds it open: truncate, do not remove)
 # Every request sampled (SAMPLER=traceidratio SAMPLER_ARG=0.1 measures a sampled tenth); spans leave within 100 ms, metrics every second, so the export work
-# the N requests cause happens inside the counted window (SETTLE waits for the last batch).
+# the N requests cause happens inside the counted window (SETTLE waits for the last batch), and
+# the warm-up's spans leave before counting starts (PRE_SETTLE).
 on=$(OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:18080 OTEL_TRACES_SAMPLER=${SAMPLER:-always_on} OTEL_TRACES_SAMPLER_ARG=${SAMPLER_ARG:-1} \
   OTEL_BSP_SCHEDULE_DELAY=${DELAY:-1000} OTEL_METRIC_EXPORT_INTERVAL=${METRIC_MS:-5000} TOLLGATE_LOG=warn SETTLE=${SETTLE_ON:-6} PRE_SETTLE=2 \
   measure on "$PORT" "$BIN" serve --policy "$POLICY")
