@@ -16,6 +16,7 @@ use super::ranks::Ranks;
 use super::tables::{tables, Tables};
 use super::{memo, pretok, vocab};
 use crate::estimate::Tokenizer;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Characters per token assumed by [`Tokenizer::Chars`] and by the JSON-length fallback.
 pub const CHARS_PER_TOKEN: u64 = 4;
@@ -115,10 +116,15 @@ pub(crate) fn ranks_for(tok: Tokenizer) -> Option<&'static Ranks> {
 /// counted by [`Ranks`] through this thread's [`Words`]. (Neither tokenizer normalizes its
 /// input.)
 fn bpe_count(t: &'static Tables, kind: Tokenizer, s: &str) -> u64 {
-    WORDS.with(|w| match w.try_borrow_mut() {
-        Ok(mut w) => count_pieces(t, kind, s, w.table(kind)),
-        // Not reentrant, but never reached from within itself: counted without the table.
-        Err(_) => count_pieces(t, kind, s, &mut []),
+    WORDS.with(|w| {
+        // (Not reentrant, and never reached from within itself.)
+        if let Ok(mut w) = w.try_borrow_mut() {
+            if let Some(table) = w.table(kind) {
+                return count_pieces(t, kind, s, table);
+            }
+        }
+        // No table for this thread (too many threads have one): a memo for this text only.
+        count_pieces(t, kind, s, &mut Words::for_one_text(s.len()))
     })
 }
 
@@ -164,20 +170,57 @@ impl Word {
 /// merges. Direct-mapped and keyed by the piece's bytes (compared exactly, not by hash): a slot
 /// holds the last piece that hashed to it, so a collision (accidental or crafted) only costs a
 /// miss, never a wrong count. Per thread, so no lock and no sharing: each runtime worker keeps
-/// its own ([`Words::SLOTS`] × 24 bytes, 384 KiB, per tokenizer it has counted with).
+/// its own ([`Words::SLOTS`] × 24 bytes, 384 KiB, per tokenizer it has counted with). At most
+/// [`Words::MAX_TABLES`] exist at once, whatever the number of threads (`block_in_place` hands
+/// a worker's tasks to new threads): a thread past that counts each text with a memo of its
+/// own, as before the tables were kept.
 struct Words {
     tables: [Vec<Word>; 2],
 }
 
+/// Tables alive, process-wide.
+static TABLES: AtomicUsize = AtomicUsize::new(0);
+
 impl Words {
     const SLOTS: usize = 16384;
+    const MAX_TABLES: usize = 16;
 
-    fn table(&mut self, kind: Tokenizer) -> &mut [Word] {
+    /// This thread's table for `kind`, made on first use if the process has room for it.
+    fn table(&mut self, kind: Tokenizer) -> Option<&mut [Word]> {
         let t = &mut self.tables[usize::from(kind == Tokenizer::Cl100k)];
         if t.is_empty() {
+            if TABLES.fetch_add(1, Ordering::Relaxed) >= Self::MAX_TABLES {
+                TABLES.fetch_sub(1, Ordering::Relaxed);
+                return None;
+            }
             *t = vec![Word::EMPTY; Self::SLOTS];
         }
-        t
+        Some(t)
+    }
+
+    /// A memo for one text of `len` bytes: none for a short one, else one slot per 16 bytes
+    /// (512 to [`Words::SLOTS`]).
+    fn for_one_text(len: usize) -> Vec<Word> {
+        if len < 2048 {
+            return Vec::new();
+        }
+        let n = (len / 16).next_power_of_two().clamp(512, Self::SLOTS);
+        vec![Word::EMPTY; n]
+    }
+
+    fn release(&mut self) {
+        for t in &mut self.tables {
+            if !t.is_empty() {
+                *t = Vec::new();
+                TABLES.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+impl Drop for Words {
+    fn drop(&mut self) {
+        self.release();
     }
 }
 
@@ -192,7 +235,7 @@ thread_local! {
 pub fn forget_words() {
     WORDS.with(|w| {
         if let Ok(mut w) = w.try_borrow_mut() {
-            w.tables = [Vec::new(), Vec::new()];
+            w.release();
         }
     });
 }
@@ -323,6 +366,26 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn threads_past_the_cap_count_without_a_table_of_their_own() {
+        // Many threads at once, each holding its table while the others make theirs: no more
+        // than the cap are made, and the counts are the same with a table or without.
+        let text = "The quarterly revenue analysis is important, however. ".repeat(60);
+        let want = lib(Tokenizer::O200k).count(text.as_str()) as u64;
+        let barrier = std::sync::Barrier::new(Words::MAX_TABLES + 8);
+        std::thread::scope(|sc| {
+            for _ in 0..Words::MAX_TABLES + 8 {
+                sc.spawn(|| {
+                    assert_eq!(count_output_text(Tokenizer::O200k, &text), want);
+                    // Every thread has counted and still lives.
+                    barrier.wait();
+                    assert!(TABLES.load(Ordering::Relaxed) <= Words::MAX_TABLES);
+                    assert_eq!(count_output_text(Tokenizer::O200k, &text), want);
+                });
+            }
+        });
     }
 
     #[test]

@@ -134,7 +134,7 @@ impl V<'_> {
         Backend {
             id: id.into(),
             kind,
-            base_url,
+            base_url: base_url.into(),
             api_key_env,
             token_ratio,
             price,

@@ -99,7 +99,7 @@ fn spec_example_parses() {
 fn minimal_policy_gets_defaults() {
     let p = from_str(MINIMAL, "min.yaml").expect("valid");
     assert_eq!(p.source, "min.yaml");
-    assert_eq!(p.backends[0].base_url, "http://127.0.0.1:9/v1");
+    assert_eq!(&*p.backends[0].base_url, "http://127.0.0.1:9/v1");
     assert_eq!(p.backends[0].token_ratio, 1.0);
     assert_eq!(p.backends[0].price, Price::default());
     assert_eq!(p.backends[0].circuit.failure_threshold, 5);

@@ -201,8 +201,8 @@ pub struct CircuitCfg {
 pub struct Backend {
     pub id: Arc<str>,
     pub kind: BackendKind,
-    /// Without a trailing slash.
-    pub base_url: String,
+    /// Without a trailing slash. Shared: each traced attempt holds it.
+    pub base_url: Arc<str>,
     pub api_key_env: Option<String>,
     pub token_ratio: f64,
     pub price: Price,

@@ -229,7 +229,7 @@ struct ClientKey {
     probe: bool,
     model: Arc<str>,
     backend: Arc<str>,
-    base_url: Box<str>,
+    base_url: Arc<str>,
 }
 
 fn served_provider(f: &Finished) -> &'static str {
@@ -308,7 +308,7 @@ impl Blocks {
                     && k.probe == a.probe
                     && *k.model == *a.model
                     && *k.backend == *a.backend
-                    && k.base_url == a.base_url
+                    && *k.base_url == *a.base_url
             },
             || ClientKey {
                 statics,

@@ -76,7 +76,7 @@ pub struct Attempt {
     /// The chain entry's upstream model.
     model: Arc<str>,
     /// The backend's base URL (its host and port become `server.*` in the export task).
-    base_url: Box<str>,
+    base_url: Arc<str>,
     max_tokens: u64,
     attempt: u32,
     probe: bool,
@@ -113,7 +113,7 @@ pub(crate) struct AttemptDone {
     pub backend: Arc<str>,
     pub provider: &'static str,
     pub model: Arc<str>,
-    pub base_url: Box<str>,
+    pub base_url: Arc<str>,
     pub max_tokens: u64,
     pub attempt: u32,
     pub probe: bool,
@@ -268,7 +268,7 @@ impl RequestTrace {
             backend: spec.backend.id.clone(),
             kind: spec.backend.kind,
             model: spec.model.clone(),
-            base_url: spec.backend.base_url.as_str().into(),
+            base_url: spec.backend.base_url.clone(),
             max_tokens: spec.max_output_tokens,
             attempt: spec.attempt,
             probe: spec.probe,
