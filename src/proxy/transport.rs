@@ -216,9 +216,6 @@ pub struct NativeBody<'a> {
 }
 
 /// Client headers that never go upstream: hop-by-hop, credentials, our own.
-const TRACEPARENT: http::HeaderName = http::HeaderName::from_static("traceparent");
-const TRACESTATE: http::HeaderName = http::HeaderName::from_static("tracestate");
-
 fn forwardable(name: &http::HeaderName) -> bool {
     let n = name.as_str();
     !(is_hop_by_hop(name)
@@ -325,7 +322,7 @@ impl Call<'_> {
             .ok_or_else(|| Untranslatable("bad request builder".into()))?;
         for (k, v) in self.client_headers {
             // A traced attempt sends its own trace context (see `Attempt::inject`).
-            if forwardable(k) && !(traced && (k == TRACEPARENT || k == TRACESTATE)) {
+            if forwardable(k) && !(traced && crate::telemetry::otel::is_trace_context(k)) {
                 h.append(k.clone(), v.clone());
             }
         }

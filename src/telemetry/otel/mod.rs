@@ -24,7 +24,7 @@ mod spans;
 
 pub use config::{settings, Protocol, Settings};
 pub use context::{Root, Sampler};
-pub use spans::{Attempt, RequestTrace};
+pub use spans::{is_trace_context, Attempt, RequestTrace};
 
 use crate::estimate::Endpoint;
 use arc_swap::ArcSwapOption;
@@ -172,6 +172,7 @@ pub fn attempt(spec: &crate::governor::CallSpec<'_>) -> Option<Attempt> {
 
 /// Reads what a buffered answer says of itself (response model, finish reasons, cached
 /// tokens) for the request's span.
+///
 /// A body the transport has read already ([`note_said`]) is not scanned again.
 pub fn note_body(body: &[u8]) {
     with(|t| {

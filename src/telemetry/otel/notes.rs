@@ -62,9 +62,7 @@ impl Notes {
             }
         }
     }
-}
 
-impl Notes {
     /// Takes what the transport read from a served answer in its own parse of it (the body is
     /// then not scanned again): the model (the attempt's own `Arc` when they are the same),
     /// the finish reasons and the cached input tokens.

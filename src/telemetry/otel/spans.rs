@@ -309,6 +309,11 @@ impl RequestTrace {
     }
 }
 
+/// Whether `name` is a W3C trace-context header, which a traced attempt writes itself.
+pub fn is_trace_context(name: &http::HeaderName) -> bool {
+    name == TRACEPARENT || name == TRACESTATE
+}
+
 impl Attempt {
     /// Writes this attempt's `traceparent` (and the caller's `tracestate`) on the upstream
     /// request, which carries none of the client's (the transport does not forward them on a
