@@ -91,22 +91,59 @@ pub fn openai_answer_said(
     endpoint: Endpoint,
     body: &[u8],
 ) -> Option<(Option<StreamUsage>, Said<'_>)> {
-    let s = serde_json::from_slice::<Shape<'_, Choices<'_>, &RawValue>>(body).ok()?;
+    let s = serde_json::from_slice::<Shape<'_, Choices<'_>, Plain<'_>>>(body).ok()?;
     if !s.ok(endpoint) {
         return None;
     }
     let usage = s.usage();
     let said = Said {
-        model: s.model.and_then(plain),
+        model: s.model.and_then(|p| p.0),
         finish: s.choices.map(|c| c.0).unwrap_or_default(),
     };
     Some((usage, said))
 }
 
-/// A raw JSON value that is a short string without escapes, unquoted.
-fn plain(v: &RawValue) -> Option<&str> {
-    let s = v.get().strip_prefix('"')?.strip_suffix('"')?;
-    (s.len() <= 128 && !s.contains('\\')).then_some(s)
+/// Any JSON value, kept when it is a short string without escapes (read in place: no copy,
+/// no second look at its bytes).
+struct Plain<'a>(Option<&'a str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Plain<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(PhantomData<&'a ()>);
+        macro_rules! other {
+            ($($f:ident: $t:ty),*) => {$(
+                fn $f<E: de::Error>(self, _: $t) -> Result<Plain<'a>, E> {
+                    Ok(Plain(None))
+                }
+            )*};
+        }
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = Plain<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("any value")
+            }
+            // A string with escapes comes copied (`visit_str`), and is left out.
+            other!(visit_bool: bool, visit_i64: i64, visit_u64: u64, visit_f64: f64, visit_str: &str, visit_bytes: &[u8]);
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Plain<'a>, E> {
+                Ok(Plain((v.len() <= 128).then_some(v)))
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Plain<'a>, E> {
+                Ok(Plain(None))
+            }
+            fn visit_none<E: de::Error>(self) -> Result<Plain<'a>, E> {
+                Ok(Plain(None))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Plain<'a>, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(Plain(None))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Plain<'a>, A::Error> {
+                while m.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(Plain(None))
+            }
+        }
+        d.deserialize_any(V(PhantomData))
+    }
 }
 
 /// `choices`, read for each choice's `finish_reason` only. Like `Vec<IgnoredAny>`, any array
@@ -149,11 +186,15 @@ impl<'de> Deserialize<'de> for IsFinish {
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str("a key")
             }
+            // Keys are read as bytes: no UTF-8 check of keys that are only compared.
+            fn visit_bytes<E: de::Error>(self, k: &[u8]) -> Result<IsFinish, E> {
+                Ok(IsFinish(k == b"finish_reason"))
+            }
             fn visit_str<E: de::Error>(self, k: &str) -> Result<IsFinish, E> {
                 Ok(IsFinish(k == "finish_reason"))
             }
         }
-        d.deserialize_identifier(V)
+        d.deserialize_bytes(V)
     }
 }
 
@@ -187,7 +228,7 @@ impl<'de: 'a, 'a> Deserialize<'de> for Choice<'a> {
                 let mut reason = None;
                 while let Some(IsFinish(f)) = m.next_key::<IsFinish>()? {
                     if f {
-                        reason = plain(m.next_value::<&'de RawValue>()?);
+                        reason = m.next_value::<Plain<'de>>()?.0;
                     } else {
                         m.next_value::<IgnoredAny>()?;
                     }

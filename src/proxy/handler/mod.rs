@@ -263,7 +263,7 @@ async fn governed(
     // The request's trace (when OTLP export is on) lives in the future that does the work.
     // Boxed: with export off (the usual case) the work carries a pointer, not the trace, and
     // with it on, the task-local that holds it swaps a pointer on each poll.
-    let trace = crate::telemetry::otel::get().map(|o| Box::new(o.start(req.headers(), endpoint)));
+    let trace = crate::telemetry::otel::start(req.headers(), endpoint);
     let work = CLIENT_GONE.scope(gone.clone(), async move {
         let mut meta = Meta::default();
         let fut: Pin<Box<dyn Future<Output = Response<Body>> + Send + '_>> = Box::pin(

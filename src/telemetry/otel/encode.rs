@@ -3,9 +3,9 @@
 //! The attributes that repeat from request to request (consumer, team, route, states, backend)
 //! are copied from a memo of encoded blocks ([`Blocks`]).
 
+use super::notes::Finish;
 use super::proto::Writer;
 use super::spans::{Finished, Outcome, STATE_KEYS};
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -50,13 +50,24 @@ struct Head<'a> {
 /// A span's fields, shared by both kinds: ids (1, 2), `trace_state` 3, parent 4, name 5,
 /// kind 6, times 7 and 8, and `flags` 16 (the W3C flags, and whether the parent is remote).
 fn head(w: &mut Writer<'_>, f: &Finished, h: Head<'_>) {
-    w.bytes(1, &f.ids.trace_id);
-    w.bytes(2, h.span_id);
+    // The fixed-size fields are laid out in place and appended at once.
+    let mut ids = [0u8; 28];
+    ids[0] = 1 << 3 | 2; // trace_id, bytes
+    ids[1] = 16;
+    ids[2..18].copy_from_slice(&f.ids.trace_id);
+    ids[18] = 2 << 3 | 2; // span_id, bytes
+    ids[19] = 8;
+    ids[20..28].copy_from_slice(h.span_id);
+    w.0.extend_from_slice(&ids);
     if let Some(ts) = &f.ids.tracestate {
         w.bytes(3, ts.as_bytes());
     }
     if let Some(p) = h.parent {
-        w.bytes(4, p);
+        let mut b = [0u8; 10];
+        b[0] = 4 << 3 | 2; // parent_span_id, bytes
+        b[1] = 8;
+        b[2..].copy_from_slice(p);
+        w.0.extend_from_slice(&b);
     }
     let (a, b) = h.name;
     if b.is_empty() {
@@ -64,12 +75,19 @@ fn head(w: &mut Writer<'_>, f: &Finished, h: Head<'_>) {
     } else {
         w.string_pair(5, a, b);
     }
-    w.uint(6, h.kind);
-    w.fixed64(7, h.times.0);
-    w.fixed64(8, h.times.1);
     // SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE (0x100) | IS_REMOTE (0x200) | sampled (0x01).
-    let flags = 0x101 | if h.remote_parent { 0x200 } else { 0 };
-    w.fixed32(16, flags);
+    let flags: u32 = 0x101 | if h.remote_parent { 0x200 } else { 0 };
+    let mut t = [0u8; 26];
+    t[0] = 6 << 3; // kind, varint (2 or 3: one byte)
+    t[1] = h.kind as u8;
+    t[2] = 7 << 3 | 1; // start_time_unix_nano, fixed64
+    t[3..11].copy_from_slice(&h.times.0.to_le_bytes());
+    t[11] = 8 << 3 | 1; // end_time_unix_nano, fixed64
+    t[12..20].copy_from_slice(&h.times.1.to_le_bytes());
+    t[20] = 0x85; // flags = 16, fixed32: key 133 as a two-byte varint
+    t[21] = 0x01;
+    t[22..26].copy_from_slice(&flags.to_le_bytes());
+    w.0.extend_from_slice(&t);
 }
 
 /// `Status { message 2, code 3 }`, code 2 = ERROR.
@@ -114,7 +132,7 @@ fn answer_attrs(w: &mut Writer<'_>, f: &Finished, said: &[u8]) {
 #[derive(Debug, Default)]
 struct Said {
     model: Option<Arc<str>>,
-    finish: Vec<Cow<'static, str>>,
+    finish: Finish,
     block: Vec<u8>,
 }
 
@@ -139,11 +157,7 @@ impl Said {
             w.attr_str(A, "gen_ai.response.model", m);
         }
         if !f.notes.finish.is_empty() {
-            w.attr_strs(
-                A,
-                "gen_ai.response.finish_reasons",
-                f.notes.finish.iter().map(|r| r.as_ref()),
-            );
+            w.attr_strs(A, "gen_ai.response.finish_reasons", f.notes.finish.iter());
         }
         self.model = model.cloned();
         self.finish.clone_from(&f.notes.finish);
@@ -166,32 +180,46 @@ pub(crate) struct Blocks {
 const MAX_BLOCKS: usize = 1024;
 
 /// Encoded blocks by the hash of what they were encoded from; a hash whose key differs (a
-/// collision) is encoded afresh and replaces the entry.
+/// collision) is encoded afresh and replaces the entry. The block used last is kept aside
+/// too: consecutive requests mostly share it, and it is found by a plain comparison, without
+/// hashing.
 #[derive(Debug)]
 struct Memo<K> {
     map: HashMap<u64, (K, Vec<u8>), foldhash::fast::RandomState>,
+    last: Option<(K, Vec<u8>)>,
 }
 
 impl<K> Default for Memo<K> {
     fn default() -> Self {
         Memo {
             map: HashMap::default(),
+            last: None,
         }
     }
 }
 
-impl<K> Memo<K> {
+impl<K: Clone> Memo<K> {
+    /// Appends the block of the key that `same` accepts, trying the last one first (the hash
+    /// is only computed when the key changed).
     fn write(
         &mut self,
         out: &mut Vec<u8>,
-        h: u64,
         same: impl Fn(&K) -> bool,
+        hash: impl FnOnce() -> u64,
         key: impl FnOnce() -> K,
         encode: impl FnOnce(&mut Writer<'_>),
     ) {
+        if let Some((k, block)) = &self.last {
+            if same(k) {
+                out.extend_from_slice(block);
+                return;
+            }
+        }
+        let h = hash();
         if let Some((k, block)) = self.map.get(&h) {
             if same(k) {
                 out.extend_from_slice(block);
+                self.last = Some((k.clone(), block.clone()));
                 return;
             }
         }
@@ -201,8 +229,15 @@ impl<K> Memo<K> {
         if self.map.len() >= MAX_BLOCKS {
             self.map.clear();
         }
-        self.map.insert(h, (key(), block));
+        let k = key();
+        self.last = Some((k.clone(), block.clone()));
+        self.map.insert(h, (k, block));
     }
+}
+
+/// The same text: the same `Arc` (the policy's, mostly), or equal bytes (a per-request id).
+fn same_text(a: &Arc<str>, b: &Arc<str>) -> bool {
+    Arc::ptr_eq(a, b) || **a == **b
 }
 
 /// `&'static str`s are compared by address (equal addresses are equal strings; unequal ones at
@@ -216,14 +251,14 @@ fn hasher() -> impl std::hash::Hasher {
     foldhash::fast::FixedState::with_seed(0x746f_6c6c).build_hasher()
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct ServerKey {
     statics: [(usize, usize); 11],
     strs: [Arc<str>; 4],
     team: Option<Arc<str>>,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct ClientKey {
     statics: [(usize, usize); 2],
     probe: bool,
@@ -248,19 +283,25 @@ impl Blocks {
             *slot = static_id(st);
         }
         let strs = [&d.route, &d.consumer, &d.policy_version, &d.backend];
-        let mut h = hasher();
-        statics.hash(&mut h);
-        for s in strs {
-            s.hash(&mut h);
-        }
-        d.team.hash(&mut h);
         self.server.write(
             w.0,
-            h.finish(),
             |k| {
                 k.statics == statics
-                    && k.strs.iter().zip(strs).all(|(a, b)| **a == **b)
-                    && k.team.as_deref() == d.team.as_deref()
+                    && k.strs.iter().zip(strs).all(|(a, b)| same_text(a, b))
+                    && match (&k.team, &d.team) {
+                        (None, None) => true,
+                        (Some(a), Some(b)) => same_text(a, b),
+                        _ => false,
+                    }
+            },
+            || {
+                let mut h = hasher();
+                statics.hash(&mut h);
+                for s in strs {
+                    s.hash(&mut h);
+                }
+                d.team.hash(&mut h);
+                h.finish()
             },
             || ServerKey {
                 statics,
@@ -294,21 +335,23 @@ impl Blocks {
     fn client(&mut self, w: &mut Writer<'_>, f: &Finished, a: &super::spans::AttemptDone) {
         use std::hash::{Hash, Hasher};
         let statics = [static_id(f.op), static_id(a.provider)];
-        let mut h = hasher();
-        statics.hash(&mut h);
-        a.probe.hash(&mut h);
-        a.model.hash(&mut h);
-        a.backend.hash(&mut h);
-        a.base_url.hash(&mut h);
         self.client.write(
             w.0,
-            h.finish(),
             |k| {
                 k.statics == statics
                     && k.probe == a.probe
-                    && *k.model == *a.model
-                    && *k.backend == *a.backend
-                    && *k.base_url == *a.base_url
+                    && same_text(&k.model, &a.model)
+                    && same_text(&k.backend, &a.backend)
+                    && same_text(&k.base_url, &a.base_url)
+            },
+            || {
+                let mut h = hasher();
+                statics.hash(&mut h);
+                a.probe.hash(&mut h);
+                a.model.hash(&mut h);
+                a.backend.hash(&mut h);
+                a.base_url.hash(&mut h);
+                h.finish()
             },
             || ClientKey {
                 statics,
@@ -381,7 +424,7 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished)
             error_status(w, d.reason());
         }
     });
-    for a in &f.attempts {
+    for a in f.attempts.iter() {
         span(out, |w| {
             head(
                 w,
@@ -437,7 +480,7 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished)
 #[cfg(test)]
 mod tests {
     use super::super::notes::Notes;
-    use super::super::spans::{AttemptDone, Decision, Finished, Outcome, TraceIds};
+    use super::super::spans::{AttemptDone, Attempts, Decision, Finished, Outcome, TraceIds};
     use super::host_port;
     use super::{encode_spans, Blocks};
     use std::sync::Arc;
@@ -456,7 +499,7 @@ mod tests {
             op: "chat",
             path: "/v1/chat/completions",
             notes: Notes::default(),
-            attempts: vec![AttemptDone {
+            attempts: Attempts::from(vec![AttemptDone {
                 span_id: [3; 8],
                 start_ns: 1,
                 end_ns: 2,
@@ -470,7 +513,7 @@ mod tests {
                 probe: false,
                 first_chunk: None,
                 outcome: Outcome::Served,
-            }],
+            }]),
             decision: Decision {
                 states: ["ALLOW", "OK", "a", "b", "c", "d", "e", "f"],
                 http_status: 200,
@@ -547,7 +590,6 @@ mod tests {
 
     #[test]
     fn each_answer_carries_its_own_response_model_and_finish_reasons() {
-        use std::borrow::Cow;
         let mut blocks = Blocks::default();
         let cases: [(Option<&str>, &[&'static str]); 5] = [
             (Some("resp-1"), &["stop"]),
@@ -559,7 +601,10 @@ mod tests {
         for (model, finish) in cases {
             let mut f = finished("alice", None, "m1");
             f.notes.model = model.map(Arc::from);
-            f.notes.finish = finish.iter().map(|r| Cow::Borrowed(*r)).collect();
+            f.notes.finish.clear();
+            for r in finish {
+                f.notes.add_finish(r);
+            }
             let mut out = Vec::new();
             encode_spans(&mut blocks, &mut out, &f);
             for sp in decode(&out) {

@@ -9,7 +9,7 @@
 //! series per metric marked `otel.metric.overflow=true`, as the OpenTelemetry spec does.
 
 use super::proto::Writer;
-use super::spans::{Finished, Outcome};
+use super::spans::{AttemptDone, Finished, Outcome};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -136,29 +136,87 @@ impl Hist {
 #[derive(Debug)]
 pub(crate) struct Aggregates {
     start_ns: u64,
-    series: HashMap<Series, Group, foldhash::fast::RandomState>,
+    /// Every series and its histograms, in the order first seen.
+    groups: Vec<(Series, Group)>,
+    /// Where each series is in `groups`.
+    index: HashMap<Series, usize, foldhash::fast::RandomState>,
+    /// The series recorded last: consecutive attempts mostly share it, and it is found by
+    /// comparing addresses (the policy's and the answer's `Arc`s), without hashing any text.
+    last: Option<usize>,
     overflow: Group,
+}
+
+/// `&'static str`s by address (an equal string elsewhere only misses the shortcut).
+fn same_static(a: &'static str, b: &'static str) -> bool {
+    std::ptr::eq(a, b)
+}
+
+fn same_arc(a: Option<&Arc<str>>, b: Option<&Arc<str>>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+        _ => false,
+    }
 }
 
 impl Aggregates {
     pub fn new(start_ns: u64) -> Aggregates {
         Aggregates {
             start_ns,
-            series: HashMap::default(),
+            groups: Vec::new(),
+            index: HashMap::default(),
+            last: None,
             overflow: Group::default(),
         }
     }
 
     fn group(&mut self, s: Series) -> &mut Group {
-        if self.series.len() >= MAX_SERIES && !self.series.contains_key(&s) {
+        if let Some(&i) = self.index.get(&s) {
+            self.last = Some(i);
+            return &mut self.groups[i].1;
+        }
+        if self.groups.len() >= MAX_SERIES {
             return &mut self.overflow;
         }
-        self.series.entry(s).or_default()
+        let i = self.groups.len();
+        self.index.insert(s.clone(), i);
+        self.groups.push((s, Group::default()));
+        self.last = Some(i);
+        &mut self.groups[i].1
+    }
+
+    /// The group of an attempt's series: the last one when it is the same by address, else
+    /// looked up (or added).
+    fn group_of(
+        &mut self,
+        op: &'static str,
+        a: &AttemptDone,
+        response_model: Option<&Arc<str>>,
+        error: Option<ErrorType>,
+    ) -> &mut Group {
+        if let Some(i) = self.last {
+            let s = &self.groups[i].0;
+            if same_static(s.op, op)
+                && same_static(s.provider, a.provider)
+                && Arc::ptr_eq(&s.model, &a.model)
+                && same_arc(s.response_model.as_ref(), response_model)
+                && s.error == error
+            {
+                return &mut self.groups[i].1;
+            }
+        }
+        self.group(Series {
+            op,
+            provider: a.provider,
+            model: a.model.clone(),
+            response_model: response_model.cloned(),
+            error,
+        })
     }
 
     /// Adds what one finished request measured (sampled or not: metrics count every request).
     pub fn observe(&mut self, f: &Finished) {
-        for a in &f.attempts {
+        for a in f.attempts.iter() {
             let served = a.outcome == Outcome::Served;
             let error = match a.outcome {
                 Outcome::Served => None,
@@ -169,18 +227,12 @@ impl Aggregates {
             let response_model = if served {
                 f.notes
                     .model
-                    .clone()
-                    .or_else(|| f.decision.upstream_model.clone())
+                    .as_ref()
+                    .or(f.decision.upstream_model.as_ref())
             } else {
                 None
             };
-            let g = self.group(Series {
-                op: f.op,
-                provider: a.provider,
-                model: a.model.clone(),
-                response_model,
-                error,
-            });
+            let g = self.group_of(f.op, a, response_model, error);
             g.record(DURATION, a.duration_s);
             if let Some((s, _)) = a.first_chunk {
                 g.record(FIRST_CHUNK, s);
@@ -196,10 +248,10 @@ impl Aggregates {
 
     /// The `ExportMetricsServiceRequest` with every series, cumulative, stamped `now_ns`.
     pub fn encode(&self, resource: &[u8], scope: &[u8], now_ns: u64) -> Vec<u8> {
-        let mut buf = Vec::with_capacity(256 + self.series.len() * 600);
+        let mut buf = Vec::with_capacity(256 + self.groups.len() * 600);
         let mut w = Writer(&mut buf);
         let groups: Vec<(Option<&Series>, &Group)> = self
-            .series
+            .groups
             .iter()
             .map(|(s, g)| (Some(s), g))
             .chain(std::iter::once((None, &self.overflow)))
@@ -331,10 +383,53 @@ mod tests {
             };
             a.group(s).record(DURATION, 0.5);
         }
-        assert_eq!(a.series.len(), MAX_SERIES);
+        assert_eq!(a.groups.len(), MAX_SERIES);
+        assert_eq!(a.index.len(), MAX_SERIES);
         assert_eq!(a.overflow.hists[DURATION].as_ref().unwrap().count, 10);
         // The overflow series is exported, marked.
         let body = a.encode(&[], &[], 2);
         assert!(memchr::memmem::find(&body, b"otel.metric.overflow").is_some());
+    }
+
+    #[test]
+    fn the_last_series_shortcut_never_mixes_series() {
+        let attempt = |model: &Arc<str>| AttemptDone {
+            span_id: [1; 8],
+            start_ns: 1,
+            end_ns: 2,
+            duration_s: 0.5,
+            backend: Arc::from("b"),
+            provider: "openai",
+            model: model.clone(),
+            base_url: Arc::from("http://x"),
+            max_tokens: 1,
+            attempt: 0,
+            probe: false,
+            first_chunk: None,
+            outcome: Outcome::Served,
+        };
+        let (m1, m1_again, m2) = (Arc::from("m1"), Arc::from("m1"), Arc::from("m2"));
+        let r: Arc<str> = Arc::from("resp");
+        let mut a = Aggregates::new(1);
+        // Same text in another Arc: the same series, found by content.
+        for m in [&m1, &m1_again, &m1] {
+            a.group_of("chat", &attempt(m), Some(&r), None)
+                .record(DURATION, 1.0);
+        }
+        // Differing model, response model or error: other series, also right after the last.
+        a.group_of("chat", &attempt(&m2), Some(&r), None)
+            .record(DURATION, 1.0);
+        a.group_of("chat", &attempt(&m2), None, None)
+            .record(DURATION, 1.0);
+        a.group_of("chat", &attempt(&m2), None, Some(ErrorType::Status(500)))
+            .record(DURATION, 1.0);
+        a.group_of("chat", &attempt(&m1), Some(&r), None)
+            .record(DURATION, 1.0);
+        let counts: Vec<u64> = a
+            .groups
+            .iter()
+            .map(|(_, g)| g.hists[DURATION].as_ref().unwrap().count)
+            .collect();
+        assert_eq!(counts, [4, 1, 1, 1]);
     }
 }

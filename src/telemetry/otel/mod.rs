@@ -61,12 +61,28 @@ pub fn enabled() -> bool {
     ON.load(Ordering::Relaxed)
 }
 
-/// The installed exporter, if any.
-pub fn get() -> Option<Arc<Otel>> {
+/// Starts a governed request's server span when export is on, continuing the caller's
+/// `traceparent`/`tracestate` from `headers` (`None` when off: one atomic load).
+pub fn start(headers: &http::HeaderMap, e: Endpoint) -> Option<Box<RequestTrace>> {
     if !enabled() {
         return None;
     }
-    OTEL.load_full()
+    let o = OTEL.load();
+    let o = o.as_ref()?;
+    let (path, op) = match e {
+        Endpoint::Chat => ("/v1/chat/completions", "chat"),
+        Endpoint::Completions => ("/v1/completions", "text_completion"),
+        Endpoint::Embeddings => ("/v1/embeddings", "embeddings"),
+    };
+    Some(Box::new(RequestTrace::start(o.sampler, headers, path, op)))
+}
+
+/// Queues a finished request for the installed exporter (the one installed now: a reload
+/// that replaced it sends the request with the new one's next batch).
+fn queue(f: spans::Finished) {
+    if let Some(o) = OTEL.load().as_ref() {
+        o.queue.push(f);
+    }
 }
 
 /// Builds the exporter from `s` and installs it process-wide (replacing any before it, which
@@ -134,19 +150,6 @@ fn build(s: &Settings) -> Result<Otel, String> {
     })
 }
 
-impl Otel {
-    /// Starts a governed request's server span, continuing the caller's
-    /// `traceparent`/`tracestate` from `headers`.
-    pub fn start(self: &Arc<Self>, headers: &http::HeaderMap, e: Endpoint) -> RequestTrace {
-        let (path, op) = match e {
-            Endpoint::Chat => ("/v1/chat/completions", "chat"),
-            Endpoint::Completions => ("/v1/completions", "text_completion"),
-            Endpoint::Embeddings => ("/v1/embeddings", "embeddings"),
-        };
-        RequestTrace::start(self, headers, path, op)
-    }
-}
-
 /// Runs `fut` (a governed request) under `trace`. The server span ends in [`finish`] or, for
 /// a stream, when the stream [`take`]s it and ends. Boxed: the task-local is swapped in and
 /// out on every poll of `fut`, a pointer rather than the trace's ~200 bytes.
@@ -190,7 +193,9 @@ pub fn note_said(span: &Attempt, said: &crate::providers::validate::Said<'_>, ca
 
 /// Takes the request's trace out of the scope (a stream finishes it when it ends).
 pub fn take() -> Option<Box<RequestTrace>> {
-    with(|_| ())?;
+    if !enabled() {
+        return None;
+    }
     REQUEST.try_with(|c| c.borrow_mut().take()).ok().flatten()
 }
 

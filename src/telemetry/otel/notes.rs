@@ -3,7 +3,6 @@
 
 use crate::providers::validate::Said;
 use memchr::memmem::Finder;
-use std::borrow::Cow;
 use std::sync::{Arc, LazyLock};
 
 /// The keys' searchers, built once (building one per search cost more than the search).
@@ -17,14 +16,14 @@ static CACHED: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"cach
 #[derive(Debug, Default)]
 pub(crate) struct Notes {
     pub model: Option<Arc<str>>,
-    pub finish: Vec<Cow<'static, str>>,
+    pub finish: Finish,
     pub cached: Option<u64>,
     /// Read already, in the transport's parse of the answer ([`Notes::said`]).
     pub read: bool,
 }
 
 /// At most this many finish reasons are kept (`n` choices).
-const MAX_FINISH: usize = 16;
+const MAX_FINISH: usize = 8;
 
 /// The finish reasons the OpenAI shape uses, kept without an allocation.
 const KNOWN: [&str; 5] = [
@@ -34,6 +33,68 @@ const KNOWN: [&str; 5] = [
     "content_filter",
     "function_call",
 ];
+
+/// Distinct finish reasons in the order first seen, as small codes: the known ones cost no
+/// allocation (nearly all), others are kept in `other`.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Finish {
+    /// An index into [`KNOWN`], or `KNOWN.len()` + an index into `other`.
+    codes: [u8; MAX_FINISH],
+    n: u8,
+    other: Vec<Box<str>>,
+}
+
+impl Finish {
+    pub fn clear(&mut self) {
+        self.n = 0;
+        self.other.clear();
+    }
+
+    pub fn len(&self) -> usize {
+        usize::from(self.n)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &str> {
+        self.codes[..self.len()]
+            .iter()
+            .map(|&c| match KNOWN.get(usize::from(c)) {
+                Some(k) => *k,
+                None => &*self.other[usize::from(c) - KNOWN.len()],
+            })
+    }
+
+    fn add(&mut self, s: &str) {
+        if self.len() >= MAX_FINISH || self.iter().any(|f| f == s) {
+            return;
+        }
+        let code = match KNOWN.iter().position(|k| *k == s) {
+            Some(i) => i,
+            None => {
+                self.other.push(s.into());
+                KNOWN.len() + self.other.len() - 1
+            }
+        };
+        // At most KNOWN.len() + MAX_FINISH: fits a byte.
+        self.codes[self.len()] = code as u8;
+        self.n += 1;
+    }
+}
+
+impl PartialEq for Finish {
+    fn eq(&self, other: &Finish) -> bool {
+        self.n == other.n && self.iter().eq(other.iter())
+    }
+}
+
+impl<const N: usize> PartialEq<[&str; N]> for Finish {
+    fn eq(&self, other: &[&str; N]) -> bool {
+        self.len() == N && self.iter().eq(other.iter().copied())
+    }
+}
 
 impl Notes {
     /// Reads `b`; with `spans` false only the model (all the metrics need), for an unsampled
@@ -91,13 +152,8 @@ impl Notes {
         self.cached = cached;
     }
 
-    fn add_finish(&mut self, s: &str) {
-        if self.finish.len() < MAX_FINISH && !self.finish.iter().any(|f| f == s) {
-            self.finish.push(match KNOWN.iter().find(|k| **k == s) {
-                Some(k) => Cow::Borrowed(*k),
-                None => Cow::Owned(s.to_string()),
-            });
-        }
+    pub(crate) fn add_finish(&mut self, s: &str) {
+        self.finish.add(s);
     }
 }
 
@@ -124,4 +180,30 @@ fn number_at(b: &[u8]) -> Option<u64> {
 fn skip_colon(b: &[u8]) -> Option<&[u8]> {
     let b = b.trim_ascii_start().strip_prefix(b":")?;
     Some(b.trim_ascii_start())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Finish, MAX_FINISH};
+
+    #[test]
+    fn finish_reasons_keep_their_order_known_or_not_and_stop_at_the_cap() {
+        let mut f = Finish::default();
+        for r in ["stop", "weird", "stop", "length", "weird", "other"] {
+            f.add(r);
+        }
+        assert_eq!(f, ["stop", "weird", "length", "other"]);
+        let mut g = f.clone();
+        assert_eq!(g, f);
+        g.clear();
+        assert!(g.is_empty());
+        g.add("other");
+        assert_eq!(g, ["other"]);
+        assert_ne!(g, f);
+        for i in 0..3 * MAX_FINISH {
+            g.add(&format!("r{i}"));
+        }
+        assert_eq!(g.len(), MAX_FINISH);
+        assert_eq!(g.iter().nth(1), Some("r0"));
+    }
 }

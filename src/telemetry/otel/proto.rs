@@ -7,7 +7,6 @@
 const LEN: u32 = 2;
 const I64: u32 = 1;
 const VARINT: u32 = 0;
-const I32: u32 = 5;
 
 pub(crate) struct Writer<'a>(pub &'a mut Vec<u8>);
 
@@ -18,6 +17,18 @@ fn varint(b: &mut Vec<u8>, mut v: u64) {
         v >>= 7;
     }
     b.push(v as u8);
+}
+
+/// Writes `v` as a varint at `b[at..]` (room for 10 bytes), returning the end.
+#[inline(always)]
+fn put_varint(b: &mut [u8], mut at: usize, mut v: u64) -> usize {
+    while v >= 0x80 {
+        b[at] = (v as u8) | 0x80;
+        v >>= 7;
+        at += 1;
+    }
+    b[at] = v as u8;
+    at + 1
 }
 
 fn varint_len(v: u64) -> usize {
@@ -61,12 +72,6 @@ impl Writer<'_> {
     #[inline(always)]
     pub fn fixed64(&mut self, field: u32, v: u64) {
         self.key(field, I64);
-        self.0.extend_from_slice(&v.to_le_bytes());
-    }
-
-    #[inline(always)]
-    pub fn fixed32(&mut self, field: u32, v: u32) {
-        self.key(field, I32);
         self.0.extend_from_slice(&v.to_le_bytes());
     }
 
@@ -115,56 +120,76 @@ impl Writer<'_> {
     // int = 3; double = 4; array = 5 }`, `ArrayValue { values = 1 }`. The small messages
     // are written with their lengths computed first: no moves, one capacity check.
 
-    /// A `KeyValue` whose `AnyValue` body (`any_len` bytes) `value` writes.
+    /// A `KeyValue` whose `AnyValue` body is `any` (`any_len` bytes in all, with `tail`
+    /// bytes after it, a string's text). The key, lengths and `any` are laid out on the
+    /// stack and appended at once (pushing byte by byte cost a capacity check each).
     #[inline(always)]
-    fn kv(&mut self, field: u32, k: &str, any_len: usize, value: impl FnOnce(&mut Vec<u8>)) {
+    fn kv(&mut self, field: u32, k: &str, any: &[u8], tail: &[u8]) {
+        let any_len = any.len() + tail.len();
         let kv_len =
             1 + varint_len(k.len() as u64) + k.len() + 1 + varint_len(any_len as u64) + any_len;
+        let mut head = [0u8; 128];
+        // At most 26 bytes of tags and varints around the key and `any`.
+        if k.len() + any.len() > head.len() - 32 {
+            return self.kv_long(field, k, any, tail, kv_len);
+        }
+        let mut n = put_varint(&mut head, 0, u64::from(field << 3 | LEN));
+        n = put_varint(&mut head, n, kv_len as u64);
+        head[n] = 1 << 3 | LEN as u8;
+        n = put_varint(&mut head, n + 1, k.len() as u64);
+        head[n..n + k.len()].copy_from_slice(k.as_bytes());
+        n += k.len();
+        head[n] = 2 << 3 | LEN as u8;
+        n = put_varint(&mut head, n + 1, any_len as u64);
+        head[n..n + any.len()].copy_from_slice(any);
+        n += any.len();
         let b = &mut *self.0;
-        b.reserve(kv_len + 2 + 5);
+        b.reserve(n + tail.len());
+        b.extend_from_slice(&head[..n]);
+        b.extend_from_slice(tail);
+    }
+
+    #[cold]
+    fn kv_long(&mut self, field: u32, k: &str, any: &[u8], tail: &[u8], kv_len: usize) {
+        let b = &mut *self.0;
         varint(b, u64::from(field << 3 | LEN));
         varint(b, kv_len as u64);
         b.push(1 << 3 | LEN as u8);
         varint(b, k.len() as u64);
         b.extend_from_slice(k.as_bytes());
         b.push(2 << 3 | LEN as u8);
-        varint(b, any_len as u64);
-        value(b);
+        varint(b, (any.len() + tail.len()) as u64);
+        b.extend_from_slice(any);
+        b.extend_from_slice(tail);
     }
 
     #[inline(always)]
     pub fn attr_str(&mut self, field: u32, k: &str, v: &str) {
-        let any = 1 + varint_len(v.len() as u64) + v.len();
-        self.kv(field, k, any, |b| {
-            b.push(1 << 3 | LEN as u8);
-            varint(b, v.len() as u64);
-            b.extend_from_slice(v.as_bytes());
-        });
+        let mut any = [0u8; 11];
+        any[0] = 1 << 3 | LEN as u8;
+        let n = put_varint(&mut any, 1, v.len() as u64);
+        self.kv(field, k, &any[..n], v.as_bytes());
     }
 
     #[inline(always)]
     pub fn attr_int(&mut self, field: u32, k: &str, v: i64) {
-        let any = 1 + varint_len(v as u64);
-        self.kv(field, k, any, |b| {
-            b.push(3 << 3 | VARINT as u8);
-            varint(b, v as u64);
-        });
+        let mut any = [0u8; 11];
+        any[0] = 3 << 3 | VARINT as u8;
+        let n = put_varint(&mut any, 1, v as u64);
+        self.kv(field, k, &any[..n], &[]);
     }
 
     #[inline(always)]
     pub fn attr_bool(&mut self, field: u32, k: &str, v: bool) {
-        self.kv(field, k, 2, |b| {
-            b.push(2 << 3 | VARINT as u8);
-            b.push(u8::from(v));
-        });
+        self.kv(field, k, &[2 << 3 | VARINT as u8, u8::from(v)], &[]);
     }
 
     #[inline(always)]
     pub fn attr_double(&mut self, field: u32, k: &str, v: f64) {
-        self.kv(field, k, 9, |b| {
-            b.push(4 << 3 | I64 as u8);
-            b.extend_from_slice(&v.to_bits().to_le_bytes());
-        });
+        let mut any = [0u8; 9];
+        any[0] = 4 << 3 | I64 as u8;
+        any[1..].copy_from_slice(&v.to_bits().to_le_bytes());
+        self.kv(field, k, &any, &[]);
     }
 
     pub fn attr_strs<'s>(&mut self, field: u32, k: &str, vs: impl Iterator<Item = &'s str>) {
@@ -257,6 +282,44 @@ mod tests {
                 any_value::Value::StringValue(s) => assert_eq!(s.len(), len),
                 other => panic!("{other:?}"),
             }
+        }
+    }
+
+    #[test]
+    fn keys_of_every_length_decode_with_every_value_kind() {
+        use opentelemetry_proto::tonic::common::v1::any_value::Value;
+        use opentelemetry_proto::tonic::resource::v1::Resource;
+        use prost::Message;
+        // Around the stack layout's limit (96 bytes of key and value head) and far past it.
+        for klen in [
+            0usize, 1, 80, 85, 86, 87, 88, 95, 96, 97, 127, 128, 300, 20_000,
+        ] {
+            let k = "k".repeat(klen);
+            let mut b = Vec::new();
+            let mut w = Writer(&mut b);
+            w.attr_int(1, &k, i64::MIN);
+            w.attr_double(1, &k, -1.5);
+            w.attr_bool(1, &k, false);
+            w.attr_str(1, &k, &"v".repeat(klen / 2));
+            let r = Resource::decode(&b[..]).unwrap();
+            let got: Vec<Value> = r
+                .attributes
+                .into_iter()
+                .map(|kv| {
+                    assert_eq!(kv.key.len(), klen);
+                    kv.value.unwrap().value.unwrap()
+                })
+                .collect();
+            assert_eq!(
+                got,
+                [
+                    Value::IntValue(i64::MIN),
+                    Value::DoubleValue(-1.5),
+                    Value::BoolValue(false),
+                    Value::StringValue("v".repeat(klen / 2)),
+                ],
+                "{klen}"
+            );
         }
     }
 

@@ -11,9 +11,10 @@
 //! itself, and queue one [`Finished`] record (a lock-free push, no wake-up). Attributes,
 //! names, protobuf and metric aggregation all happen in the export task.
 
+use super::context::Sampler;
 use super::context::{self, Parent};
 use super::notes::Notes;
-use super::{with, Otel};
+use super::with;
 use crate::audit::Entry;
 use crate::governor::{CallResult, CallSpec, Record, UsageEvidence};
 use crate::policy::BackendKind;
@@ -32,6 +33,12 @@ pub(super) fn now_ns() -> u64 {
         .unwrap_or(0)
 }
 
+/// Seconds as whole ns (saturating).
+fn secs_ns(s: f64) -> u64 {
+    // `as` saturates a float to the integer's range.
+    (s * 1e9) as u64
+}
+
 /// What every span of one trace shares.
 #[derive(Debug, Clone)]
 pub(crate) struct TraceIds {
@@ -48,13 +55,15 @@ pub struct RequestTrace {
     /// The caller's span (a remote parent), when it sent a `traceparent`.
     pub(super) parent: Option<[u8; 8]>,
     pub(super) start_ns: u64,
+    /// The monotonic clock at `start_ns`: later times are read from it alone (one clock read
+    /// per event, not two).
+    started: Instant,
     pub(super) op: &'static str,
     pub(super) path: &'static str,
     pub(super) notes: Notes,
     /// Attempts in order; the served one stays open until the request ends.
-    pub(super) attempts: Vec<AttemptDone>,
+    pub(super) attempts: Attempts,
     served: Option<Attempt>,
-    otel: Arc<Otel>,
 }
 
 impl std::fmt::Debug for RequestTrace {
@@ -119,6 +128,46 @@ pub(crate) struct AttemptDone {
     pub probe: bool,
     pub first_chunk: Option<(f64, u64)>,
     pub outcome: Outcome,
+}
+
+/// A request's ended attempts, in order: the first kept inline (most requests make one
+/// attempt, which then costs no allocation).
+#[derive(Debug, Default)]
+pub(crate) struct Attempts {
+    first: Option<AttemptDone>,
+    rest: Vec<AttemptDone>,
+}
+
+impl Attempts {
+    pub fn push(&mut self, a: AttemptDone) {
+        if self.first.is_none() {
+            self.first = Some(a);
+        } else {
+            self.rest.push(a);
+        }
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &AttemptDone> {
+        self.first.iter().chain(&self.rest)
+    }
+
+    pub fn last(&self) -> Option<&AttemptDone> {
+        self.rest.last().or(self.first.as_ref())
+    }
+
+    pub fn len(&self) -> usize {
+        usize::from(self.first.is_some()) + self.rest.len()
+    }
+}
+
+impl From<Vec<AttemptDone>> for Attempts {
+    fn from(v: Vec<AttemptDone>) -> Attempts {
+        let mut a = Attempts::default();
+        for x in v {
+            a.push(x);
+        }
+        a
+    }
 }
 
 /// The decision record's fields the export needs (copies of small values and `Arc` clones,
@@ -203,7 +252,7 @@ pub(crate) struct Finished {
     pub op: &'static str,
     pub path: &'static str,
     pub notes: Notes,
-    pub attempts: Vec<AttemptDone>,
+    pub attempts: Attempts,
     pub decision: Decision,
 }
 
@@ -226,7 +275,7 @@ pub(crate) fn provider_name(kind: BackendKind) -> &'static str {
 
 impl RequestTrace {
     pub(super) fn start(
-        o: &Arc<Otel>,
+        sampler: Sampler,
         headers: &http::HeaderMap,
         path: &'static str,
         op: &'static str,
@@ -236,7 +285,7 @@ impl RequestTrace {
             .get(TRACEPARENT)
             .and_then(|v| context::parse_traceparent(v.as_bytes()));
         let trace_id = caller.map_or_else(context::trace_id, |p| p.trace_id);
-        let sampled = o.sampler.keeps(&trace_id, caller.as_ref());
+        let sampled = sampler.keeps(&trace_id, caller.as_ref());
         let tracestate = match caller {
             Some(_) => headers.get(TRACESTATE).cloned(),
             None => None,
@@ -250,21 +299,22 @@ impl RequestTrace {
             span_id: context::span_id(),
             parent: caller.map(|p| p.span_id),
             start_ns,
+            started: Instant::now(),
             op,
             path,
             notes: Notes::default(),
-            attempts: Vec::new(),
+            attempts: Attempts::default(),
             served: None,
-            otel: o.clone(),
         }
     }
 
     pub(super) fn attempt(&mut self, spec: &CallSpec<'_>) -> Attempt {
+        let started = Instant::now();
         Attempt {
             ids: self.ids.clone(),
             span_id: context::span_id(),
-            start_ns: now_ns(),
-            started: Instant::now(),
+            start_ns: self.at(started),
+            started,
             backend: spec.backend.id.clone(),
             kind: spec.backend.kind,
             model: spec.model.clone(),
@@ -276,11 +326,20 @@ impl RequestTrace {
         }
     }
 
+    /// `t` in Unix ns, from the request's start (wall clock) and the monotonic time since.
+    fn at(&self, t: Instant) -> u64 {
+        let since = t.saturating_duration_since(self.started).as_nanos();
+        self.start_ns
+            .saturating_add(u64::try_from(since).unwrap_or(u64::MAX))
+    }
+
     /// Notes a chunk of a streamed answer: its first arrival, and what it says of itself.
     pub fn chunk(&mut self, data: &[u8]) {
         if let Some(a) = self.served.as_mut() {
             if a.first_chunk.is_none() {
-                a.first_chunk = Some((a.started.elapsed().as_secs_f64(), now_ns()));
+                let now = Instant::now();
+                let after = now.saturating_duration_since(a.started).as_secs_f64();
+                a.first_chunk = Some((after, a.start_ns.saturating_add(secs_ns(after))));
             }
         }
         self.notes.scan(data, self.ids.sampled);
@@ -289,9 +348,10 @@ impl RequestTrace {
     /// Ends the served attempt and the server span with the decision, and queues the lot for
     /// export (dropped and counted when the queue is full).
     pub fn finish(mut self, entry: &Entry) {
-        let end_ns = now_ns();
+        let end = Instant::now();
+        let end_ns = self.at(end);
         if let Some(a) = self.served.take() {
-            self.attempts.push(a.done(end_ns, Outcome::Served));
+            self.attempts.push(a.done(end, Outcome::Served));
         }
         let f = Finished {
             ids: self.ids,
@@ -305,7 +365,7 @@ impl RequestTrace {
             attempts: self.attempts,
             decision: Decision::of(&entry.record),
         };
-        self.otel.queue.push(f);
+        super::queue(f);
     }
 }
 
@@ -333,12 +393,15 @@ impl Attempt {
         &self.model
     }
 
-    fn done(self, end_ns: u64, outcome: Outcome) -> AttemptDone {
+    fn done(self, end: Instant, outcome: Outcome) -> AttemptDone {
+        let took = end.saturating_duration_since(self.started);
         AttemptDone {
             span_id: self.span_id,
             start_ns: self.start_ns,
-            end_ns,
-            duration_s: self.started.elapsed().as_secs_f64(),
+            end_ns: self
+                .start_ns
+                .saturating_add(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX)),
+            duration_s: took.as_secs_f64(),
             backend: self.backend,
             provider: provider_name(self.kind),
             model: self.model,
@@ -363,7 +426,7 @@ impl Attempt {
             CallResult::Failed(f) => Outcome::Failed(f.class.as_str(), f.status),
             CallResult::Skipped(s) => Outcome::Skipped(s.as_str()),
         };
-        let done = self.done(now_ns(), outcome);
+        let done = self.done(Instant::now(), outcome);
         let _ = with(move |t| t.attempts.push(done));
     }
 }

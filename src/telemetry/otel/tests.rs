@@ -223,9 +223,8 @@ async fn otel_cost() {
     s.queue = 1 << 16;
     super::install(&s).unwrap();
     let one = || async {
-        let o = super::get().unwrap();
-        let t = o.start(&headers, crate::estimate::Endpoint::Chat);
-        super::scope(Box::new(t), async {
+        let t = super::start(&headers, crate::estimate::Endpoint::Chat).unwrap();
+        super::scope(t, async {
             let model: Arc<str> = Arc::from("m");
             let spec = CallSpec {
                 backend,
@@ -263,7 +262,7 @@ async fn otel_cost() {
     let t0 = std::time::Instant::now();
     let mut hits = 0u32;
     for _ in 0..n {
-        if std::hint::black_box(super::get()).is_some() {
+        if std::hint::black_box(super::start(&headers, crate::estimate::Endpoint::Chat)).is_some() {
             hits += 1;
         }
     }
