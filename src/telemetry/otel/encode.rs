@@ -109,7 +109,7 @@ fn sat(n: u64) -> i64 {
 /// The answer's GenAI attributes: the response model and finish reasons (`said`, from
 /// [`Said::update`]), then the usage and cache counts.
 fn answer_attrs(w: &mut Writer<'_>, f: &Finished, said: &[u8]) {
-    let d = &f.decision;
+    let d = f.decision();
     w.0.extend_from_slice(said);
     if let Some((i, o)) = d.usage {
         w.attr_int(A, "gen_ai.usage.input_tokens", sat(i));
@@ -144,7 +144,7 @@ impl Said {
             .notes
             .model
             .as_ref()
-            .or(f.decision.upstream_model.as_ref());
+            .or(f.decision().upstream_model.as_ref());
         if !self.block.is_empty()
             && self.model.as_deref() == model.map(|m| &**m)
             && self.finish == f.notes.finish
@@ -173,6 +173,8 @@ pub(crate) struct Blocks {
     server: Memo<ServerKey>,
     client: Memo<ClientKey>,
     said: Said,
+    /// The served answer's attributes of the request being encoded (both spans carry them).
+    answer: Vec<u8>,
 }
 
 /// Most distinct sets kept per kind (a consumer id per caller could make many): past it, the
@@ -274,7 +276,7 @@ fn served_provider(f: &Finished) -> &'static str {
 impl Blocks {
     fn server(&mut self, w: &mut Writer<'_>, f: &Finished) {
         use std::hash::{Hash, Hasher};
-        let d = &f.decision;
+        let d = f.decision();
         let mut statics = [(0, 0); 11];
         statics[0] = static_id(f.op);
         statics[1] = static_id(f.path);
@@ -383,10 +385,13 @@ fn span(out: &mut Vec<u8>, body: impl FnOnce(&mut Writer<'_>)) {
 /// Appends a finished request's spans (`ScopeSpans.spans = 2`) to `out`: the server span,
 /// then one client span per attempt.
 pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished) {
-    let d = &f.decision;
+    let d = f.decision();
     let mut status = itoa::Buffer::new();
+    let mut answer = std::mem::take(&mut blocks.answer);
+    answer.clear();
     if f.served().is_some() {
         blocks.said.update(f);
+        answer_attrs(&mut Writer(&mut answer), f, &blocks.said.block);
     }
     span(out, |w| {
         head(
@@ -410,7 +415,7 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished)
             );
         }
         if f.served().is_some() {
-            answer_attrs(w, f, &blocks.said.block);
+            w.0.extend_from_slice(&answer);
         }
         w.attr_str(A, "tollgate.request_id", &d.request_id);
         w.attr_str(A, "tollgate.job_id", &d.job_id);
@@ -443,7 +448,7 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished)
             w.attr_int(A, "tollgate.attempt", i64::from(a.attempt));
             let error: Option<&str> = match a.outcome {
                 Outcome::Served => {
-                    answer_attrs(w, f, &blocks.said.block);
+                    w.0.extend_from_slice(&answer);
                     w.attr_int(A, "http.response.status_code", i64::from(d.http_status));
                     None
                 }
@@ -475,6 +480,7 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished)
             }
         });
     }
+    blocks.answer = answer;
 }
 
 #[cfg(test)]
@@ -514,7 +520,7 @@ mod tests {
                 first_chunk: None,
                 outcome: Outcome::Served,
             }]),
-            decision: Decision {
+            decision: Some(Decision {
                 states: ["ALLOW", "OK", "a", "b", "c", "d", "e", "f"],
                 http_status: 200,
                 route: Arc::from("chat"),
@@ -530,7 +536,7 @@ mod tests {
                 cache_write_tokens: 0,
                 cost_usd: 0.0,
                 attempts: 1,
-            },
+            }),
         }
     }
 

@@ -13,7 +13,7 @@ use super::config::{Protocol, Settings};
 use super::encode::{encode_spans, Blocks};
 use super::metrics::Aggregates;
 use super::proto;
-use super::spans::{now_ns, Finished};
+use super::spans::{now_ns, Finished, RequestTrace};
 use crate::telemetry::names::TOLLGATE_OTEL_DROPPED_SPANS_TOTAL;
 use bytes::Bytes;
 use crossbeam_queue::ArrayQueue;
@@ -131,7 +131,7 @@ impl HyperClient {
 
 /// The finished-request queue the request path pushes into.
 pub(crate) struct SpanQueue {
-    q: ArrayQueue<Finished>,
+    q: ArrayQueue<Box<RequestTrace>>,
     /// Records waiting at which the export task drains early.
     batch: usize,
     ready: Notify,
@@ -156,9 +156,10 @@ fn spans_of(f: &Finished) -> u64 {
 }
 
 impl SpanQueue {
-    /// Queues `f` without blocking or waking anyone unless a batch is ready.
-    pub(crate) fn push(&self, f: Finished) {
-        match self.q.push(f) {
+    /// Queues `t` (its box: a pointer's worth of copying) without blocking or waking anyone
+    /// unless a batch is ready.
+    pub(crate) fn push(&self, t: Box<RequestTrace>) {
+        match self.q.push(t) {
             Ok(()) => {
                 // Counted in records: a sampled record carries one span or more, so `batch`
                 // records hold at least a batch of spans (and unsampled ones feed the metrics).
@@ -167,7 +168,7 @@ impl SpanQueue {
                     self.ready.notify_one();
                 }
             }
-            Err(f) => self.full.increment(spans_of(&f)),
+            Err(t) => self.full.increment(spans_of(&t.f)),
         }
     }
 }
@@ -303,8 +304,9 @@ impl Worker {
     /// Takes everything queued: metrics for all, spans for the sampled, batches handed off as
     /// they fill (`wait`: for room in the outbox, as a flush does, instead of dropping).
     async fn drain(&mut self, wait: bool) {
-        while let Some(f) = self.queue.q.pop() {
-            self.aggregates.observe(&f);
+        while let Some(t) = self.queue.q.pop() {
+            let f = &t.f;
+            self.aggregates.observe(f);
             if f.ids.sampled {
                 if self.spans.capacity() - self.spans.len() < ROOM_PER_REQUEST && self.in_batch > 0
                 {
@@ -321,8 +323,8 @@ impl Worker {
                     self.spans.reserve(self.last_batch.max(first));
                     self.spans.resize(self.prefix, 0);
                 }
-                encode_spans(&mut self.blocks, &mut self.spans, &f);
-                self.in_batch += spans_of(&f);
+                encode_spans(&mut self.blocks, &mut self.spans, f);
+                self.in_batch += spans_of(f);
             }
             if self.in_batch >= self.batch as u64 {
                 self.hand_off(wait).await;

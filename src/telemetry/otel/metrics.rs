@@ -228,7 +228,7 @@ impl Aggregates {
                 f.notes
                     .model
                     .as_ref()
-                    .or(f.decision.upstream_model.as_ref())
+                    .or(f.decision().upstream_model.as_ref())
             } else {
                 None
             };
@@ -238,7 +238,7 @@ impl Aggregates {
                 g.record(FIRST_CHUNK, s);
             }
             if served {
-                if let Some((input, output)) = f.decision.usage {
+                if let Some((input, output)) = f.decision().usage {
                     g.record(INPUT, input as f64);
                     g.record(OUTPUT, output as f64);
                 }

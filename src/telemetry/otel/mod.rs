@@ -79,9 +79,9 @@ pub fn start(headers: &http::HeaderMap, e: Endpoint) -> Option<Box<RequestTrace>
 
 /// Queues a finished request for the installed exporter (the one installed now: a reload
 /// that replaced it sends the request with the new one's next batch).
-fn queue(f: spans::Finished) {
+fn queue(t: Box<RequestTrace>) {
     if let Some(o) = OTEL.load().as_ref() {
-        o.queue.push(f);
+        o.queue.push(t);
     }
 }
 
@@ -179,8 +179,8 @@ pub fn attempt(spec: &crate::governor::CallSpec<'_>) -> Option<Attempt> {
 /// A body the transport has read already ([`note_said`]) is not scanned again.
 pub fn note_body(body: &[u8]) {
     with(|t| {
-        if !t.notes.read {
-            t.notes.scan(body, t.ids.sampled);
+        if !t.f.notes.read {
+            t.f.notes.scan(body, t.f.ids.sampled);
         }
     });
 }
@@ -188,7 +188,7 @@ pub fn note_body(body: &[u8]) {
 /// Notes what a served answer said of itself, read in the transport's own parse of it
 /// (`cached`: the usage's cached input tokens, when it states them).
 pub fn note_said(span: &Attempt, said: &crate::providers::validate::Said<'_>, cached: Option<u64>) {
-    with(|t| t.notes.said(span.model(), said, cached, t.ids.sampled));
+    with(|t| t.f.notes.said(span.model(), said, cached, t.f.ids.sampled));
 }
 
 /// Takes the request's trace out of the scope (a stream finishes it when it ends).

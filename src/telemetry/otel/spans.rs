@@ -48,28 +48,21 @@ pub(crate) struct TraceIds {
     pub tracestate: Option<HeaderValue>,
 }
 
-/// One governed request's trace: its server span and its attempts so far.
+/// One governed request's trace: its server span and its attempts so far, kept in the record
+/// the export task reads (the trace is boxed once, and the box itself is queued at the end).
 pub struct RequestTrace {
-    pub(super) ids: TraceIds,
-    pub(super) span_id: [u8; 8],
-    /// The caller's span (a remote parent), when it sent a `traceparent`.
-    pub(super) parent: Option<[u8; 8]>,
-    pub(super) start_ns: u64,
-    /// The monotonic clock at `start_ns`: later times are read from it alone (one clock read
-    /// per event, not two).
+    pub(super) f: Finished,
+    /// The monotonic clock at `f.start_ns`: later times are read from it alone (one clock
+    /// read per event, not two).
     started: Instant,
-    pub(super) op: &'static str,
-    pub(super) path: &'static str,
-    pub(super) notes: Notes,
-    /// Attempts in order; the served one stays open until the request ends.
-    pub(super) attempts: Attempts,
+    /// The served attempt, open until the request ends.
     served: Option<Attempt>,
 }
 
 impl std::fmt::Debug for RequestTrace {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RequestTrace")
-            .field("op", &self.op)
+            .field("op", &self.f.op)
             .finish_non_exhaustive()
     }
 }
@@ -253,10 +246,39 @@ pub(crate) struct Finished {
     pub path: &'static str,
     pub notes: Notes,
     pub attempts: Attempts,
-    pub decision: Decision,
+    /// Set when the request ends.
+    pub decision: Option<Decision>,
 }
 
+/// What a record still without its decision reads (never exported: a trace is queued only
+/// once its decision is set).
+static PENDING: std::sync::LazyLock<Decision> = std::sync::LazyLock::new(|| {
+    let empty: Arc<str> = Arc::from("");
+    Decision {
+        states: [""; 8],
+        http_status: 0,
+        route: empty.clone(),
+        consumer: empty.clone(),
+        team: None,
+        policy_version: empty.clone(),
+        backend: empty.clone(),
+        request_id: empty.clone(),
+        job_id: empty,
+        upstream_model: None,
+        requested_output_tokens: 0,
+        usage: None,
+        cache_write_tokens: 0,
+        cost_usd: 0.0,
+        attempts: 0,
+    }
+});
+
 impl Finished {
+    /// The request's decision.
+    pub fn decision(&self) -> &Decision {
+        self.decision.as_ref().unwrap_or(&PENDING)
+    }
+
     /// The attempt that served, if one did: the last, ended with the request.
     pub fn served(&self) -> Option<&AttemptDone> {
         self.attempts
@@ -291,19 +313,23 @@ impl RequestTrace {
             None => None,
         };
         RequestTrace {
-            ids: TraceIds {
-                trace_id,
-                sampled,
-                tracestate,
+            f: Finished {
+                ids: TraceIds {
+                    trace_id,
+                    sampled,
+                    tracestate,
+                },
+                span_id: context::span_id(),
+                parent: caller.map(|p| p.span_id),
+                start_ns,
+                end_ns: start_ns,
+                op,
+                path,
+                notes: Notes::default(),
+                attempts: Attempts::default(),
+                decision: None,
             },
-            span_id: context::span_id(),
-            parent: caller.map(|p| p.span_id),
-            start_ns,
             started: Instant::now(),
-            op,
-            path,
-            notes: Notes::default(),
-            attempts: Attempts::default(),
             served: None,
         }
     }
@@ -311,7 +337,7 @@ impl RequestTrace {
     pub(super) fn attempt(&mut self, spec: &CallSpec<'_>) -> Attempt {
         let started = Instant::now();
         Attempt {
-            ids: self.ids.clone(),
+            ids: self.f.ids.clone(),
             span_id: context::span_id(),
             start_ns: self.at(started),
             started,
@@ -329,7 +355,8 @@ impl RequestTrace {
     /// `t` in Unix ns, from the request's start (wall clock) and the monotonic time since.
     fn at(&self, t: Instant) -> u64 {
         let since = t.saturating_duration_since(self.started).as_nanos();
-        self.start_ns
+        self.f
+            .start_ns
             .saturating_add(u64::try_from(since).unwrap_or(u64::MAX))
     }
 
@@ -342,30 +369,19 @@ impl RequestTrace {
                 a.first_chunk = Some((after, a.start_ns.saturating_add(secs_ns(after))));
             }
         }
-        self.notes.scan(data, self.ids.sampled);
+        self.f.notes.scan(data, self.f.ids.sampled);
     }
 
     /// Ends the served attempt and the server span with the decision, and queues the lot for
-    /// export (dropped and counted when the queue is full).
-    pub fn finish(mut self, entry: &Entry) {
+    /// export (dropped and counted when the queue is full). The box is queued as it is.
+    pub fn finish(mut self: Box<Self>, entry: &Entry) {
         let end = Instant::now();
-        let end_ns = self.at(end);
+        self.f.end_ns = self.at(end);
         if let Some(a) = self.served.take() {
-            self.attempts.push(a.done(end, Outcome::Served));
+            self.f.attempts.push(a.done(end, Outcome::Served));
         }
-        let f = Finished {
-            ids: self.ids,
-            span_id: self.span_id,
-            parent: self.parent,
-            start_ns: self.start_ns,
-            end_ns,
-            op: self.op,
-            path: self.path,
-            notes: self.notes,
-            attempts: self.attempts,
-            decision: Decision::of(&entry.record),
-        };
-        super::queue(f);
+        self.f.decision = Some(Decision::of(&entry.record));
+        super::queue(self);
     }
 }
 
@@ -427,6 +443,6 @@ impl Attempt {
             CallResult::Skipped(s) => Outcome::Skipped(s.as_str()),
         };
         let done = self.done(Instant::now(), outcome);
-        let _ = with(move |t| t.attempts.push(done));
+        let _ = with(move |t| t.f.attempts.push(done));
     }
 }
