@@ -14,6 +14,7 @@ pub mod ollama;
 pub mod openai;
 pub mod responses;
 pub mod retry_after;
+mod scan;
 pub mod splice;
 pub mod translate;
 pub mod validate;

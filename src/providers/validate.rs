@@ -2,6 +2,7 @@
 //! served with a 200-class status is the upstream's failure (tollgate falls back as for a
 //! 5xx), never an `ALLOW/OK` answer.
 
+use super::scan;
 use crate::estimate::Endpoint;
 use crate::stream::StreamUsage;
 use http::{header, HeaderMap, StatusCode};
@@ -50,8 +51,28 @@ pub fn openai_answer_ok(endpoint: Endpoint, body: &[u8]) -> bool {
 /// [`openai_answer_ok`], in the same pass reading the answer's `usage` object (`Some(None)`:
 /// the answer is fine but has no readable usage), so the answer is parsed once.
 pub fn openai_answer(endpoint: Endpoint, body: &[u8]) -> Option<Option<StreamUsage>> {
+    if let Some(s) = scan::answer(body, false) {
+        return scanned_ok(&s, endpoint).then(|| scanned_usage(&s));
+    }
+    serde_answer(endpoint, body)
+}
+
+/// [`openai_answer`] by serde_json alone (the reference the scanner is tested against).
+fn serde_answer(endpoint: Endpoint, body: &[u8]) -> Option<Option<StreamUsage>> {
     let s = serde_json::from_slice::<Shape<'_, Vec<IgnoredAny>, IgnoredAny>>(body).ok()?;
     s.ok(endpoint).then(|| s.usage())
+}
+
+fn scanned_ok(s: &scan::Scanned<'_>, endpoint: Endpoint) -> bool {
+    match endpoint {
+        Endpoint::Embeddings => s.data,
+        Endpoint::Chat | Endpoint::Completions => s.choices,
+    }
+}
+
+fn scanned_usage(s: &scan::Scanned<'_>) -> Option<StreamUsage> {
+    let u = s.usage?;
+    scan::usage(u).or_else(|| serde_json::from_slice(u).ok())
 }
 
 /// What an answer says of itself, for its trace: the response model and the distinct finish
@@ -72,7 +93,7 @@ pub struct Reasons<'a> {
 impl<'a> Reasons<'a> {
     pub const MAX: usize = 8;
 
-    fn add(&mut self, r: &'a str) {
+    pub(crate) fn add(&mut self, r: &'a str) {
         if self.n < Self::MAX && !self.items[..self.n].contains(&r) {
             self.items[self.n] = r;
             self.n += 1;
@@ -91,6 +112,24 @@ pub fn openai_answer_said(
     endpoint: Endpoint,
     body: &[u8],
 ) -> Option<(Option<StreamUsage>, Said<'_>)> {
+    if let Some(s) = scan::answer(body, true) {
+        if !scanned_ok(&s, endpoint) {
+            return None;
+        }
+        let usage = scanned_usage(&s);
+        return Some((
+            usage,
+            Said {
+                model: s.model,
+                finish: s.finish,
+            },
+        ));
+    }
+    serde_answer_said(endpoint, body)
+}
+
+/// [`openai_answer_said`] by serde_json alone.
+fn serde_answer_said(endpoint: Endpoint, body: &[u8]) -> Option<(Option<StreamUsage>, Said<'_>)> {
     let s = serde_json::from_slice::<Shape<'_, Choices<'_>, Plain<'_>>>(body).ok()?;
     if !s.ok(endpoint) {
         return None;
@@ -357,5 +396,94 @@ mod tests {
         assert!(stream_head_ok(StatusCode::OK, &h));
         h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("0"));
         assert!(!stream_head_ok(StatusCode::OK, &h));
+    }
+
+    type SaidView<'a> = Option<(Option<StreamUsage>, Option<&'a str>, Vec<&'a str>)>;
+
+    fn said_view(r: Option<(Option<StreamUsage>, Said<'_>)>) -> SaidView<'_> {
+        r.map(|(u, s)| (u, s.model, s.finish.as_slice().to_vec()))
+    }
+
+    /// The scanner's fast path answers exactly as serde_json does, on realistic answers and on
+    /// many mutations of them (bytes dropped, replaced, inserted from JSON's own alphabet and a
+    /// few hostile bytes, bodies cut short). `SCAN_CASES=n` runs more.
+    #[test]
+    fn the_scanner_answers_as_serde_does() {
+        let seeds: &[&[u8]] = &[
+            br#"{"id":"chatcmpl-1","object":"chat.completion","created":1700000000,"model":"gpt-4o-2024-08-06","choices":[{"index":0,"message":{"role":"assistant","content":"Hi \"there\" \u00e9\n","tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{\"a\":[1,2.5e3,-0.1,true,false,null]}"}}]},"logprobs":null,"finish_reason":"stop"},{"index":1,"message":{"role":"assistant","content":"x"},"finish_reason":"length"}],"usage":{"prompt_tokens":31,"completion_tokens":9,"total_tokens":40,"prompt_tokens_details":{"cached_tokens":8,"audio_tokens":0}},"system_fingerprint":"fp_1"}"#,
+            b"{ \"object\" : \"list\" , \"data\" : [ { \"embedding\" : [ 0.1 , -2E-3 , 3 ] , \"index\" : 0 } ] , \"model\" : \"e\" , \"usage\" : { \"prompt_tokens\" : 5 , \"total_tokens\" : 5 } }\n",
+            br#"{"choices":[],"usage":null,"model":null}"#,
+            br#"{"choices":[{"finish_reason":null},{"finish_reason":7},{"finish_reason":"tool_calls"},"odd",[1]],"model":{"n":"m"}}"#,
+            r#"{"model":"modèle-ü","choices":[{"finish_reason":"stop","message":{"content":"日本語"}}],"usage":{"completion_tokens":1,"cache_creation_input_tokens":2}}"#.as_bytes(),
+            br#"{"choices":[{"text":"a","finish_reason":"stop"}],"usage":{"prompt_tokens":"x"}}"#,
+            br#"{"choices":[{}],"usage":{"prompt_tokens":1,"completion_tokens":null,"prompt_tokens_details":{"cached_tokens":3,"x":[1,{"y":"z"}]},"cache_creation_input_tokens":18446744073709551615,"other":{"a":"b"},"total_tokens":0}}"#,
+            br#"{"choices":[1e3,-0,12345678901234567890,{"finish_reason":1.5e300}],"model":-7,"usage":{"completion_tokens":1e2}}"#,
+            br#"{"choices":[[[[{"a":[{"b":[[]]}]}]]]],"data":[],"model":"\u0041","x":{"\u00e9":"\ud800"}}"#,
+        ];
+        let alphabet: &[u8] = b"{}[]\",:\\ \t\n0123456789.-+eEtrufalsn/bu\x01\x7f\xc3\xa9\xff";
+        let mut x: u64 = std::env::var("SCAN_SEED")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0x9e37_79b9_7f4a_7c15);
+        let mut rnd = |n: usize| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % n as u64) as usize
+        };
+        let (mut cases, mut fast) = (0usize, 0usize);
+        let mut check = |b: &[u8]| {
+            for e in [Endpoint::Chat, Endpoint::Embeddings] {
+                assert_eq!(
+                    openai_answer(e, b),
+                    serde_answer(e, b),
+                    "{:?}",
+                    String::from_utf8_lossy(b)
+                );
+                assert_eq!(
+                    said_view(openai_answer_said(e, b)),
+                    said_view(serde_answer_said(e, b)),
+                    "{:?}",
+                    String::from_utf8_lossy(b)
+                );
+            }
+            cases += 1;
+            fast += usize::from(scan::answer(b, true).is_some());
+        };
+        // The realistic answers are the scanner's to answer (the last three seeds are not).
+        for seed in &seeds[..7] {
+            assert!(
+                scan::answer(seed, true).is_some(),
+                "{}",
+                String::from_utf8_lossy(seed)
+            );
+        }
+        for seed in seeds {
+            check(seed);
+        }
+        let n = std::env::var("SCAN_CASES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(30_000);
+        for _ in 0..n {
+            let mut b = seeds[rnd(seeds.len())].to_vec();
+            for _ in 0..1 + rnd(3) {
+                let at = rnd(b.len() + 1);
+                match rnd(4) {
+                    0 if at < b.len() => {
+                        b.remove(at);
+                    }
+                    1 if at < b.len() => b[at] = alphabet[rnd(alphabet.len())],
+                    2 => b.insert(at, alphabet[rnd(alphabet.len())]),
+                    _ => b.truncate(at),
+                }
+            }
+            check(&b);
+        }
+        // The mutations must exercise the fast path's answers, not only its giving up.
+        assert!(
+            fast * 10 > cases,
+            "{fast} of {cases} answered by the scanner"
+        );
     }
 }

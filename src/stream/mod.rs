@@ -11,4 +11,4 @@ mod sse;
 mod tests;
 
 pub use frame::{event_data, EventSplitter, LineSplitter, Splitter, SseFramer};
-pub use sse::{SseMeter, StreamUsage, MAX_EVENT_BYTES};
+pub use sse::{PromptDetails, SseMeter, StreamUsage, MAX_EVENT_BYTES};
