@@ -2,8 +2,9 @@
 //! in batches, metrics every interval), and the task that posts to the collector over our own
 //! hyper + rustls stack.
 //!
-//! The request path only ever pushes a [`Finished`] record into a fixed-size lock-free queue:
-//! when the queue is full the record is dropped and its spans counted. Nothing on the request
+//! The request path only ever pushes a finished request's boxed trace (its [`Finished`]
+//! record) into a fixed-size lock-free queue: when the queue is full the record is dropped and
+//! its spans counted. Nothing on the request
 //! path wakes a task: the export task drains the queue every schedule delay, or sooner when a
 //! batch's worth is waiting. It never waits on the network either: encoded exports go to the
 //! sender task through a short channel, and when that is full (the collector is slow or down)

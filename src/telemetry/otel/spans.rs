@@ -7,12 +7,12 @@
 //! ends with the request, carrying the usage, the response model and the finish reasons.
 //!
 //! What the request path does per request: parse the caller's `traceparent`, make ids, read
-//! two clocks per span, write one `traceparent` per attempt, note what the answer says of
-//! itself, and queue one [`Finished`] record (a lock-free push, no wake-up). Attributes,
-//! names, protobuf and metric aggregation all happen in the export task.
+//! the wall clock once and the monotonic clock once per event, write one `traceparent` per
+//! attempt, note what the answer says of itself, and queue the trace's box, which holds the
+//! [`Finished`] record (a lock-free push of a pointer, no wake-up). Attributes, names,
+//! protobuf and metric aggregation all happen in the export task.
 
-use super::context::Sampler;
-use super::context::{self, Parent};
+use super::context::{self, Parent, Sampler};
 use super::notes::Notes;
 use super::with;
 use crate::audit::Entry;
