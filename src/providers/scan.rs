@@ -10,6 +10,8 @@
 //! caller parses with serde_json, which then decides. So an answer it accepts is one serde
 //! accepts, with the same result (a differential test checks this on many mutated bodies).
 
+use crate::stream::{PromptDetails, StreamUsage};
+
 /// What the scan found in an answer it accepted.
 #[derive(Debug, Default)]
 pub struct Scanned<'a> {
@@ -24,8 +26,6 @@ pub struct Scanned<'a> {
     /// Each choice's `finish_reason`, when a short string without escapes, in order.
     pub finish: super::validate::Reasons<'a>,
 }
-
-use crate::stream::{PromptDetails, StreamUsage};
 
 /// Deeper nesting is left to serde_json (whose limit is 128).
 const MAX_DEPTH: u32 = 100;
@@ -52,11 +52,9 @@ struct P<'a> {
     i: usize,
 }
 
-type R<T> = Option<T>;
-
 impl<'a> P<'a> {
     #[inline]
-    fn peek(&self) -> R<u8> {
+    fn peek(&self) -> Option<u8> {
         self.b.get(self.i).copied()
     }
 
@@ -68,7 +66,7 @@ impl<'a> P<'a> {
     }
 
     #[inline]
-    fn eat(&mut self, c: u8) -> R<()> {
+    fn eat(&mut self, c: u8) -> Option<()> {
         if self.peek()? == c {
             self.i += 1;
             Some(())
@@ -80,7 +78,7 @@ impl<'a> P<'a> {
     /// A string at `self.i` (its opening quote): the raw bytes inside the quotes, and whether
     /// they hold an escape. Control characters are refused and escapes checked as serde_json
     /// checks the strings it skips; UTF-8 is not checked here.
-    fn string(&mut self) -> R<(&'a [u8], bool)> {
+    fn string(&mut self) -> Option<(&'a [u8], bool)> {
         self.eat(b'"')?;
         let start = self.i;
         let mut escaped = false;
@@ -115,7 +113,7 @@ impl<'a> P<'a> {
     }
 
     /// `-?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?`
-    fn number(&mut self) -> R<()> {
+    fn number(&mut self) -> Option<()> {
         if self.peek() == Some(b'-') {
             self.i += 1;
         }
@@ -140,19 +138,38 @@ impl<'a> P<'a> {
         Some(())
     }
 
+    /// A count: `null`, or an integer that fits a `u64` (anything else gives up).
+    fn count(&mut self) -> Option<Option<u64>> {
+        if self.peek()? == b'n' {
+            self.literal(b"null")?;
+            return Some(None);
+        }
+        let at = self.i;
+        self.number()?;
+        let digits = &self.b[at..self.i];
+        if digits.len() > 19 || !digits.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        let mut n: u64 = 0;
+        for &d in digits {
+            n = n.checked_mul(10)?.checked_add(u64::from(d - b'0'))?;
+        }
+        Some(Some(n))
+    }
+
     fn digits(&mut self) {
         while let Some(b'0'..=b'9') = self.peek() {
             self.i += 1;
         }
     }
 
-    fn digits1(&mut self) -> R<()> {
+    fn digits1(&mut self) -> Option<()> {
         let at = self.i;
         self.digits();
         (self.i > at).then_some(())
     }
 
-    fn literal(&mut self, word: &[u8]) -> R<()> {
+    fn literal(&mut self, word: &[u8]) -> Option<()> {
         if self.b.get(self.i..self.i + word.len())? == word {
             self.i += word.len();
             Some(())
@@ -162,7 +179,7 @@ impl<'a> P<'a> {
     }
 
     /// Skips any value (validating it).
-    fn value(&mut self, depth: u32) -> R<()> {
+    fn value(&mut self, depth: u32) -> Option<()> {
         match self.peek()? {
             b'"' => self.string().map(drop),
             b'{' => self.object(depth + 1, |p, _, _| p.value(depth + 1)),
@@ -180,8 +197,8 @@ impl<'a> P<'a> {
     fn object(
         &mut self,
         depth: u32,
-        mut each: impl FnMut(&mut Self, &'a [u8], bool) -> R<()>,
-    ) -> R<()> {
+        mut each: impl FnMut(&mut Self, &'a [u8], bool) -> Option<()>,
+    ) -> Option<()> {
         if depth > MAX_DEPTH {
             return None;
         }
@@ -211,7 +228,7 @@ impl<'a> P<'a> {
         }
     }
 
-    fn array(&mut self, depth: u32, mut each: impl FnMut(&mut Self) -> R<()>) -> R<()> {
+    fn array(&mut self, depth: u32, mut each: impl FnMut(&mut Self) -> Option<()>) -> Option<()> {
         if depth > MAX_DEPTH {
             return None;
         }
@@ -243,7 +260,7 @@ impl<'a> P<'a> {
     /// bytes that are not UTF-8, a number that is not a short integer (a float may be out of
     /// range), an object with such a key (serde decodes the keys of a map it visits). Arrays
     /// are skipped by serde too.
-    fn name(&mut self, depth: u32) -> R<Option<&'a str>> {
+    fn name(&mut self, depth: u32) -> Option<Option<&'a str>> {
         match self.peek()? {
             b'"' => {}
             b'-' | b'0'..=b'9' => {
@@ -406,25 +423,4 @@ pub fn usage(raw: &[u8]) -> Option<StreamUsage> {
     })?;
     p.ws();
     (p.i == raw.len()).then_some(u)
-}
-
-impl P<'_> {
-    /// A count: `null`, or an integer that fits a `u64` (anything else gives up).
-    fn count(&mut self) -> R<Option<u64>> {
-        if self.peek()? == b'n' {
-            self.literal(b"null")?;
-            return Some(None);
-        }
-        let at = self.i;
-        self.number()?;
-        let digits = &self.b[at..self.i];
-        if digits.len() > 19 || !digits.iter().all(u8::is_ascii_digit) {
-            return None;
-        }
-        let mut n: u64 = 0;
-        for &d in digits {
-            n = n.checked_mul(10)?.checked_add(u64::from(d - b'0'))?;
-        }
-        Some(Some(n))
-    }
 }

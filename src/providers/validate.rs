@@ -450,7 +450,7 @@ mod tests {
             cases += 1;
             fast += usize::from(scan::answer(b, true).is_some());
         };
-        // The realistic answers are the scanner's to answer (the last three seeds are not).
+        // The realistic answers are the scanner's to answer (the last two seeds are not).
         for seed in &seeds[..7] {
             assert!(
                 scan::answer(seed, true).is_some(),

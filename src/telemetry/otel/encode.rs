@@ -609,7 +609,7 @@ mod tests {
             f.notes.model = model.map(Arc::from);
             f.notes.finish.clear();
             for r in finish {
-                f.notes.add_finish(r);
+                f.notes.finish.add(r);
             }
             let mut out = Vec::new();
             encode_spans(&mut blocks, &mut out, &f);

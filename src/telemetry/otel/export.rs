@@ -4,9 +4,8 @@
 //!
 //! The request path only ever pushes a finished request's boxed trace (its [`Finished`]
 //! record) into a fixed-size lock-free queue: when the queue is full the record is dropped and
-//! its spans counted. Nothing on the request
-//! path wakes a task: the export task drains the queue every schedule delay, or sooner when a
-//! batch's worth is waiting. It never waits on the network either: encoded exports go to the
+//! its spans counted. Nothing on the request path wakes a task: the export task drains the
+//! queue every schedule delay, or sooner when a batch's worth is waiting. It never waits on the network either: encoded exports go to the
 //! sender task through a short channel, and when that is full (the collector is slow or down)
 //! the batch is dropped and counted. Each post is bounded by the timeout, with no retries.
 

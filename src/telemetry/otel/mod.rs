@@ -152,7 +152,7 @@ fn build(s: &Settings) -> Result<Otel, String> {
 
 /// Runs `fut` (a governed request) under `trace`. The server span ends in [`finish`] or, for
 /// a stream, when the stream [`take`]s it and ends. Boxed: the task-local is swapped in and
-/// out on every poll of `fut`, a pointer rather than the trace's ~200 bytes.
+/// out on every poll of `fut`, a pointer rather than the trace's several hundred bytes.
 pub fn scope<F: Future>(trace: Box<RequestTrace>, fut: F) -> impl Future<Output = F::Output> {
     REQUEST.scope(RefCell::new(Some(trace)), fut)
 }

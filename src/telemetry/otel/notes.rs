@@ -67,7 +67,7 @@ impl Finish {
             })
     }
 
-    fn add(&mut self, s: &str) {
+    pub fn add(&mut self, s: &str) {
         if self.len() >= MAX_FINISH || self.iter().any(|f| f == s) {
             return;
         }
@@ -113,7 +113,7 @@ impl Notes {
         while let Some(i) = FINISH.find(rest) {
             rest = &rest[i + 15..];
             if let Some(s) = string_at(rest) {
-                self.add_finish(s);
+                self.finish.add(s);
             }
         }
         if let Some(i) = CACHED.find(b) {
@@ -147,13 +147,9 @@ impl Notes {
         }
         self.finish.clear();
         for r in s.finish.as_slice() {
-            self.add_finish(r);
+            self.finish.add(r);
         }
         self.cached = cached;
-    }
-
-    pub(crate) fn add_finish(&mut self, s: &str) {
-        self.finish.add(s);
     }
 }
 

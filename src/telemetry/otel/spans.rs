@@ -20,7 +20,7 @@ use crate::governor::{CallResult, CallSpec, Record, UsageEvidence};
 use crate::policy::BackendKind;
 use http::HeaderValue;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 const TRACEPARENT: http::HeaderName = http::HeaderName::from_static("traceparent");
 const TRACESTATE: http::HeaderName = http::HeaderName::from_static("tracestate");
@@ -33,10 +33,10 @@ pub(super) fn now_ns() -> u64 {
         .unwrap_or(0)
 }
 
-/// Seconds as whole ns (saturating).
-fn secs_ns(s: f64) -> u64 {
-    // `as` saturates a float to the integer's range.
-    (s * 1e9) as u64
+/// `start_ns` plus `d`, in Unix ns (saturating): later times are the start's wall clock plus
+/// the monotonic time since.
+fn after(start_ns: u64, d: Duration) -> u64 {
+    start_ns.saturating_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
 }
 
 /// What every span of one trace shares.
@@ -339,7 +339,10 @@ impl RequestTrace {
         Attempt {
             ids: self.f.ids.clone(),
             span_id: context::span_id(),
-            start_ns: self.at(started),
+            start_ns: after(
+                self.f.start_ns,
+                started.saturating_duration_since(self.started),
+            ),
             started,
             backend: spec.backend.id.clone(),
             kind: spec.backend.kind,
@@ -352,21 +355,12 @@ impl RequestTrace {
         }
     }
 
-    /// `t` in Unix ns, from the request's start (wall clock) and the monotonic time since.
-    fn at(&self, t: Instant) -> u64 {
-        let since = t.saturating_duration_since(self.started).as_nanos();
-        self.f
-            .start_ns
-            .saturating_add(u64::try_from(since).unwrap_or(u64::MAX))
-    }
-
     /// Notes a chunk of a streamed answer: its first arrival, and what it says of itself.
     pub fn chunk(&mut self, data: &[u8]) {
         if let Some(a) = self.served.as_mut() {
             if a.first_chunk.is_none() {
-                let now = Instant::now();
-                let after = now.saturating_duration_since(a.started).as_secs_f64();
-                a.first_chunk = Some((after, a.start_ns.saturating_add(secs_ns(after))));
+                let d = a.started.elapsed();
+                a.first_chunk = Some((d.as_secs_f64(), after(a.start_ns, d)));
             }
         }
         self.f.notes.scan(data, self.f.ids.sampled);
@@ -376,7 +370,7 @@ impl RequestTrace {
     /// export (dropped and counted when the queue is full). The box is queued as it is.
     pub fn finish(mut self: Box<Self>, entry: &Entry) {
         let end = Instant::now();
-        self.f.end_ns = self.at(end);
+        self.f.end_ns = after(self.f.start_ns, end.saturating_duration_since(self.started));
         if let Some(a) = self.served.take() {
             self.f.attempts.push(a.done(end, Outcome::Served));
         }
@@ -414,9 +408,7 @@ impl Attempt {
         AttemptDone {
             span_id: self.span_id,
             start_ns: self.start_ns,
-            end_ns: self
-                .start_ns
-                .saturating_add(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX)),
+            end_ns: after(self.start_ns, took),
             duration_s: took.as_secs_f64(),
             backend: self.backend,
             provider: provider_name(self.kind),
