@@ -173,8 +173,41 @@ pub(crate) struct Blocks {
     server: Memo<ServerKey>,
     client: Memo<ClientKey>,
     said: Said,
+    /// The server span's small numbers (output cap, attempts, status), as last encoded.
+    server_ints: Last<(u64, usize, u16)>,
+    /// A served attempt's small numbers (output cap, attempt, status), as last encoded.
+    client_ints: Last<(u64, u32, u16)>,
     /// The served answer's attributes of the request being encoded (both spans carry them).
     answer: Vec<u8>,
+}
+
+/// A block of attributes whose values mostly repeat from one request to the next (an output
+/// cap, an attempt number, a status): encoded again only when they differ from the last.
+#[derive(Debug)]
+struct Last<K> {
+    key: Option<K>,
+    block: Vec<u8>,
+}
+
+impl<K> Default for Last<K> {
+    fn default() -> Self {
+        Last {
+            key: None,
+            block: Vec::new(),
+        }
+    }
+}
+
+impl<K: PartialEq> Last<K> {
+    /// Appends the block of `key`, encoding it with `encode` when it is not the last one.
+    fn write(&mut self, out: &mut Vec<u8>, key: K, encode: impl FnOnce(&mut Writer<'_>)) {
+        if self.key.as_ref() != Some(&key) {
+            self.block.clear();
+            encode(&mut Writer(&mut self.block));
+            self.key = Some(key);
+        }
+        out.extend_from_slice(&self.block);
+    }
 }
 
 /// Most distinct sets kept per kind (a consumer id per caller could make many): past it, the
@@ -377,6 +410,12 @@ impl Blocks {
     }
 }
 
+/// An attempt's output cap and number.
+fn attempt_ints(w: &mut Writer<'_>, a: &super::spans::AttemptDone) {
+    w.attr_int(A, "gen_ai.request.max_tokens", sat(a.max_tokens));
+    w.attr_int(A, "tollgate.attempt", i64::from(a.attempt));
+}
+
 /// Appends one span (`ScopeSpans.spans = 2`) to `out`.
 fn span(out: &mut Vec<u8>, body: impl FnOnce(&mut Writer<'_>)) {
     Writer(out).message_2(2, body);
@@ -407,27 +446,33 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished)
             },
         );
         blocks.server(w, f);
-        if d.requested_output_tokens > 0 {
-            w.attr_int(
-                A,
-                "gen_ai.request.max_tokens",
-                sat(d.requested_output_tokens),
-            );
-        }
         if f.served().is_some() {
             w.0.extend_from_slice(&answer);
         }
         w.attr_str(A, "tollgate.request_id", &d.request_id);
         w.attr_str(A, "tollgate.job_id", &d.job_id);
-        w.attr_int(A, "tollgate.attempts", d.attempts as i64);
         w.attr_double(A, "tollgate.cost_usd", d.cost_usd);
-        w.attr_int(A, "http.response.status_code", i64::from(d.http_status));
         if d.http_status >= 400 {
+            w.attr_int(A, "http.response.status_code", i64::from(d.http_status));
             w.attr_str(A, "error.type", d.reason());
+            if d.http_status >= 500 {
+                error_status(w, d.reason());
+            }
         }
-        if d.http_status >= 500 {
-            error_status(w, d.reason());
-        }
+        let key = (d.requested_output_tokens, d.attempts, d.http_status);
+        blocks.server_ints.write(w.0, key, |w| {
+            if d.requested_output_tokens > 0 {
+                w.attr_int(
+                    A,
+                    "gen_ai.request.max_tokens",
+                    sat(d.requested_output_tokens),
+                );
+            }
+            w.attr_int(A, "tollgate.attempts", sat(d.attempts as u64));
+            if d.http_status < 400 {
+                w.attr_int(A, "http.response.status_code", i64::from(d.http_status));
+            }
+        });
     });
     for a in f.attempts.iter() {
         span(out, |w| {
@@ -444,25 +489,31 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished)
                 },
             );
             blocks.client(w, f, a);
-            w.attr_int(A, "gen_ai.request.max_tokens", sat(a.max_tokens));
-            w.attr_int(A, "tollgate.attempt", i64::from(a.attempt));
             let error: Option<&str> = match a.outcome {
                 Outcome::Served => {
                     w.0.extend_from_slice(&answer);
-                    w.attr_int(A, "http.response.status_code", i64::from(d.http_status));
+                    let key = (a.max_tokens, a.attempt, d.http_status);
+                    blocks.client_ints.write(w.0, key, |w| {
+                        w.attr_int(A, "gen_ai.request.max_tokens", sat(a.max_tokens));
+                        w.attr_int(A, "tollgate.attempt", i64::from(a.attempt));
+                        w.attr_int(A, "http.response.status_code", i64::from(d.http_status));
+                    });
                     None
                 }
                 Outcome::Failed(class, st) => {
+                    attempt_ints(w, a);
                     if let Some(st) = st {
                         w.attr_int(A, "http.response.status_code", i64::from(st));
                     }
                     Some(class)
                 }
                 Outcome::Status(st) => {
+                    attempt_ints(w, a);
                     w.attr_int(A, "http.response.status_code", i64::from(st));
                     Some(status.format(st))
                 }
                 Outcome::Skipped(why) => {
+                    attempt_ints(w, a);
                     w.attr_str(A, "tollgate.skipped", why);
                     Some("skipped")
                 }
