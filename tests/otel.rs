@@ -181,6 +181,14 @@ impl Receiver {
     }
 }
 
+/// Now on the wall clock, Unix ns.
+fn unix_ns() -> u64 {
+    let d = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    u64::try_from(d.as_nanos()).unwrap()
+}
+
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
@@ -301,6 +309,7 @@ async fn one_trace_per_request_joined_to_the_callers_with_attempt_spans_and_gena
     let sc = Sidecar::start(&chain_yaml(&a, &b)).await;
     let traceparent = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01");
     let prompt = "a secret prompt";
+    let before = unix_ns();
     let body =
         j!({"model": "chat", "messages": [{"role": "user", "content": prompt}], "max_tokens": 50});
     let (s, _, out) = post_json(
@@ -323,6 +332,7 @@ async fn one_trace_per_request_joined_to_the_callers_with_attempt_spans_and_gena
     sbody["stream"] = j!(true);
     let (s, _, out) = post_json(&sc.chat_url(), &sbody, &[("x-request-id", "otel-2")]).await;
     assert_eq!(s, 200, "{}", String::from_utf8_lossy(&out));
+    let after = unix_ns();
     otel::flush(Duration::from_secs(10)).await;
 
     let got = std::mem::take(&mut *rx.got.lock().unwrap());
@@ -377,6 +387,19 @@ async fn one_trace_per_request_joined_to_the_callers_with_attempt_spans_and_gena
         assert_eq!(s.parent_span_id, server.span_id);
     }
     let (first, second) = (attempts[0], attempts[1]);
+    // Times: on the wall clock of the request, each attempt inside the request, in order.
+    let times = |s: &Span| (s.start_time_unix_nano, s.end_time_unix_nano);
+    let (start, end) = times(server);
+    assert!(
+        before <= start && start <= end && end <= after,
+        "{before} {start} {end} {after}"
+    );
+    assert!(
+        start <= first.start_time_unix_nano,
+        "the first attempt starts in the request"
+    );
+    assert!(times(first).0 <= times(first).1 && times(first).1 <= times(second).0);
+    assert!(times(second).0 <= times(second).1 && times(second).1 <= end);
     assert_eq!(first.name, "chat m-first");
     assert_eq!(s_attr(first, "error.type"), "5xx");
     assert_eq!(i_attr(first, "http.response.status_code"), 503);
@@ -407,6 +430,27 @@ async fn one_trace_per_request_joined_to_the_callers_with_attempt_spans_and_gena
         .expect("the stream's server span");
     assert_ne!(hex(&streamed.trace_id), CLIENT_TRACE);
     assert_eq!(i_attr(streamed, "gen_ai.usage.output_tokens"), 2);
+    let served = got
+        .spans
+        .iter()
+        .find(|s| {
+            s.trace_id == streamed.trace_id
+                && s.kind == SpanKind::Client as i32
+                && s_attr(s, "tollgate.backend") == "second"
+        })
+        .expect("the stream's served attempt span");
+    let chunk = served
+        .events
+        .iter()
+        .find(|e| e.name == "gen_ai.first_chunk")
+        .expect("the first chunk's event");
+    assert!(
+        served.start_time_unix_nano <= chunk.time_unix_nano
+            && chunk.time_unix_nano <= served.end_time_unix_nano
+            && served.end_time_unix_nano <= streamed.end_time_unix_nano
+            && streamed.end_time_unix_nano <= after,
+        "{served:?}"
+    );
 
     // Never a prompt, a completion or a key in any attribute.
     let all = format!("{:?}", got.spans);

@@ -5,7 +5,7 @@
 
 use super::notes::Finish;
 use super::proto::Writer;
-use super::spans::{Finished, Outcome, STATE_KEYS};
+use super::spans::{Finished, Outcome, Wall, STATE_KEYS};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -423,7 +423,8 @@ fn span(out: &mut Vec<u8>, body: impl FnOnce(&mut Writer<'_>)) {
 
 /// Appends a finished request's spans (`ScopeSpans.spans = 2`) to `out`: the server span,
 /// then one client span per attempt.
-pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished) {
+/// `wall` places the record's monotonic instants on the wall clock.
+pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished, wall: &Wall) {
     let d = f.decision();
     let mut status = itoa::Buffer::new();
     let mut answer = std::mem::take(&mut blocks.answer);
@@ -442,7 +443,7 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished)
                 remote_parent: f.parent.is_some(),
                 name: (f.op, &d.route),
                 kind: 2, // SERVER
-                times: (f.start_ns, f.end_ns),
+                times: (wall.ns(f.start), wall.ns(f.end)),
             },
         );
         blocks.server(w, f);
@@ -485,7 +486,7 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished)
                     remote_parent: false,
                     name: (f.op, &a.model),
                     kind: 3, // CLIENT
-                    times: (a.start_ns, a.end_ns),
+                    times: (wall.ns(a.start), wall.ns(a.end)),
                 },
             );
             blocks.client(w, f, a);
@@ -518,10 +519,10 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished)
                     Some("skipped")
                 }
             };
-            if let Some((_, at)) = a.first_chunk {
+            if let Some(at) = a.first_chunk {
                 // Span.events = 11: Event { time 1, name 2 }
                 w.message(11, |w| {
-                    w.fixed64(1, at);
+                    w.fixed64(1, wall.ns(at));
                     w.string(2, "gen_ai.first_chunk");
                 });
             }
@@ -539,7 +540,7 @@ mod tests {
     use super::super::notes::Notes;
     use super::super::spans::{AttemptDone, Attempts, Decision, Finished, Outcome, TraceIds};
     use super::host_port;
-    use super::{encode_spans, Blocks};
+    use super::{encode_spans, Blocks, Wall};
     use std::sync::Arc;
 
     fn finished(consumer: &str, team: Option<&str>, model: &str) -> Finished {
@@ -551,16 +552,15 @@ mod tests {
             },
             span_id: [2; 8],
             parent: None,
-            start_ns: 1,
-            end_ns: 2,
+            start: 1,
+            end: 2,
             op: "chat",
             path: "/v1/chat/completions",
             notes: Notes::default(),
             attempts: Attempts::from(vec![AttemptDone {
                 span_id: [3; 8],
-                start_ns: 1,
-                end_ns: 2,
-                duration_s: 0.5,
+                start: 1,
+                end: 2,
                 backend: Arc::from("b"),
                 provider: "openai",
                 model: Arc::from(model),
@@ -621,7 +621,12 @@ mod tests {
         ];
         for (consumer, team, model) in cases {
             let mut out = Vec::new();
-            encode_spans(&mut blocks, &mut out, &finished(consumer, team, model));
+            encode_spans(
+                &mut blocks,
+                &mut out,
+                &finished(consumer, team, model),
+                &Wall::now(),
+            );
             let spans = decode(&out);
             assert_eq!(spans.len(), 2);
             let (server, client) = (&spans[0], &spans[1]);
@@ -663,7 +668,7 @@ mod tests {
                 f.notes.finish.add(r);
             }
             let mut out = Vec::new();
-            encode_spans(&mut blocks, &mut out, &f);
+            encode_spans(&mut blocks, &mut out, &f, &Wall::now());
             for sp in decode(&out) {
                 assert_eq!(attr(&sp, "gen_ai.response.model").as_deref(), model);
                 let reasons = attr(&sp, "gen_ai.response.finish_reasons");

@@ -13,7 +13,7 @@ use super::config::{Protocol, Settings};
 use super::encode::{encode_spans, Blocks};
 use super::metrics::Aggregates;
 use super::proto;
-use super::spans::{now_ns, Finished, RequestTrace};
+use super::spans::{now_ns, Finished, RequestTrace, Wall};
 use crate::telemetry::names::TOLLGATE_OTEL_DROPPED_SPANS_TOTAL;
 use bytes::Bytes;
 use crossbeam_queue::ArrayQueue;
@@ -304,6 +304,8 @@ impl Worker {
     /// Takes everything queued: metrics for all, spans for the sampled, batches handed off as
     /// they fill (`wait`: for room in the outbox, as a flush does, instead of dropping).
     async fn drain(&mut self, wait: bool) {
+        // The wall clock, read once for what this drain takes (see `Wall`).
+        let mut wall: Option<Wall> = None;
         while let Some(t) = self.queue.q.pop() {
             let f = &t.f;
             self.aggregates.observe(f);
@@ -323,7 +325,8 @@ impl Worker {
                     self.spans.reserve(self.last_batch.max(first));
                     self.spans.resize(self.prefix, 0);
                 }
-                encode_spans(&mut self.blocks, &mut self.spans, f);
+                let wall = wall.get_or_insert_with(Wall::now);
+                encode_spans(&mut self.blocks, &mut self.spans, f, wall);
                 self.in_batch += spans_of(f);
             }
             if self.in_batch >= self.batch as u64 {

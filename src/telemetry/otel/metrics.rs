@@ -233,8 +233,8 @@ impl Aggregates {
                 None
             };
             let g = self.group_of(f.op, a, response_model, error);
-            g.record(DURATION, a.duration_s);
-            if let Some((s, _)) = a.first_chunk {
+            g.record(DURATION, a.duration_s());
+            if let Some(s) = a.first_chunk_s() {
                 g.record(FIRST_CHUNK, s);
             }
             if served {
@@ -395,9 +395,8 @@ mod tests {
     fn the_last_series_shortcut_never_mixes_series() {
         let attempt = |model: &Arc<str>| AttemptDone {
             span_id: [1; 8],
-            start_ns: 1,
-            end_ns: 2,
-            duration_s: 0.5,
+            start: 1,
+            end: 2,
             backend: Arc::from("b"),
             provider: "openai",
             model: model.clone(),

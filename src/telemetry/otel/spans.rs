@@ -7,7 +7,8 @@
 //! ends with the request, carrying the usage, the response model and the finish reasons.
 //!
 //! What the request path does per request: parse the caller's `traceparent`, make ids, read
-//! the wall clock once and the monotonic clock once per event, write one `traceparent` per
+//! the monotonic clock once per event as plain nanoseconds (the export task places them on the
+//! wall clock, which it reads once a batch), write one `traceparent` per
 //! attempt, note what the answer says of itself, and queue the trace's box, which holds the
 //! [`Finished`] record (a lock-free push of a pointer, no wake-up). Attributes, names,
 //! protobuf and metric aggregation all happen in the export task.
@@ -20,7 +21,7 @@ use crate::governor::{CallResult, CallSpec, Record, UsageEvidence};
 use crate::policy::BackendKind;
 use http::HeaderValue;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 const TRACEPARENT: http::HeaderName = http::HeaderName::from_static("traceparent");
 const TRACESTATE: http::HeaderName = http::HeaderName::from_static("tracestate");
@@ -33,10 +34,45 @@ pub(super) fn now_ns() -> u64 {
         .unwrap_or(0)
 }
 
-/// `start_ns` plus `d`, in Unix ns (saturating): later times are the start's wall clock plus
-/// the monotonic time since.
-fn after(start_ns: u64, d: Duration) -> u64 {
-    start_ns.saturating_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+/// The monotonic clock (`CLOCK_MONOTONIC`, the one `Instant` reads), in ns: span times are
+/// kept in it as plain integers, whose differences cost a subtraction (an `Instant`'s cost
+/// ~80 instructions each).
+pub(crate) fn mono_ns() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    let secs = u64::try_from(t.tv_sec).unwrap_or(0);
+    let nanos = u64::try_from(t.tv_nsec).unwrap_or(0);
+    secs.saturating_mul(1_000_000_000).saturating_add(nanos)
+}
+
+/// Seconds between two [`mono_ns`] readings (0 when `end` is not after `start`).
+pub(crate) fn secs_between(start: u64, end: u64) -> f64 {
+    end.saturating_sub(start) as f64 * 1e-9
+}
+
+/// The wall clock at one monotonic reading, which places the others on it: the request path
+/// reads only the monotonic clock, and the export task reads the wall clock once a batch.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Wall {
+    ns: u64,
+    mono: u64,
+}
+
+impl Wall {
+    pub fn now() -> Wall {
+        Wall {
+            ns: now_ns(),
+            mono: mono_ns(),
+        }
+    }
+
+    /// The [`mono_ns`] reading `m` in Unix ns (saturating).
+    pub fn ns(&self, m: u64) -> u64 {
+        if m >= self.mono {
+            self.ns.saturating_add(m - self.mono)
+        } else {
+            self.ns.saturating_sub(self.mono - m)
+        }
+    }
 }
 
 /// What every span of one trace shares.
@@ -52,9 +88,6 @@ pub(crate) struct TraceIds {
 /// the export task reads (the trace is boxed once, and the box itself is queued at the end).
 pub struct RequestTrace {
     pub(super) f: Finished,
-    /// The monotonic clock at `f.start_ns`: later times are read from it alone (one clock
-    /// read per event, not two).
-    started: Instant,
     /// The served attempt, open until the request ends.
     served: Option<Attempt>,
 }
@@ -71,8 +104,8 @@ impl std::fmt::Debug for RequestTrace {
 pub struct Attempt {
     ids: TraceIds,
     span_id: [u8; 8],
-    start_ns: u64,
-    started: Instant,
+    /// [`mono_ns`] at the start.
+    start: u64,
     backend: Arc<str>,
     kind: BackendKind,
     /// The chain entry's upstream model.
@@ -82,8 +115,8 @@ pub struct Attempt {
     max_tokens: u64,
     attempt: u32,
     probe: bool,
-    /// Time to the first chunk of a streamed answer: (seconds after the start, wall ns).
-    first_chunk: Option<(f64, u64)>,
+    /// When the first chunk of a streamed answer came ([`mono_ns`]).
+    first_chunk: Option<u64>,
 }
 
 impl std::fmt::Debug for Attempt {
@@ -109,9 +142,9 @@ pub(crate) enum Outcome {
 #[derive(Debug)]
 pub(crate) struct AttemptDone {
     pub span_id: [u8; 8],
-    pub start_ns: u64,
-    pub end_ns: u64,
-    pub duration_s: f64,
+    /// Start and end, [`mono_ns`].
+    pub start: u64,
+    pub end: u64,
     pub backend: Arc<str>,
     pub provider: &'static str,
     pub model: Arc<str>,
@@ -119,8 +152,20 @@ pub(crate) struct AttemptDone {
     pub max_tokens: u64,
     pub attempt: u32,
     pub probe: bool,
-    pub first_chunk: Option<(f64, u64)>,
+    pub first_chunk: Option<u64>,
     pub outcome: Outcome,
+}
+
+impl AttemptDone {
+    /// How long the attempt took, in seconds.
+    pub fn duration_s(&self) -> f64 {
+        secs_between(self.start, self.end)
+    }
+
+    /// Time to the first chunk of a streamed answer, in seconds.
+    pub fn first_chunk_s(&self) -> Option<f64> {
+        self.first_chunk.map(|c| secs_between(self.start, c))
+    }
 }
 
 /// A request's ended attempts, in order: the first kept inline (most requests make one
@@ -240,8 +285,9 @@ pub(crate) struct Finished {
     pub ids: TraceIds,
     pub span_id: [u8; 8],
     pub parent: Option<[u8; 8]>,
-    pub start_ns: u64,
-    pub end_ns: u64,
+    /// Start and end, [`mono_ns`].
+    pub start: u64,
+    pub end: u64,
     pub op: &'static str,
     pub path: &'static str,
     pub notes: Notes,
@@ -302,7 +348,7 @@ impl RequestTrace {
         path: &'static str,
         op: &'static str,
     ) -> Self {
-        let start_ns = now_ns();
+        let start = mono_ns();
         let caller: Option<Parent> = headers
             .get(TRACEPARENT)
             .and_then(|v| context::parse_traceparent(v.as_bytes()));
@@ -321,29 +367,23 @@ impl RequestTrace {
                 },
                 span_id: context::span_id(),
                 parent: caller.map(|p| p.span_id),
-                start_ns,
-                end_ns: start_ns,
+                start,
+                end: start,
                 op,
                 path,
                 notes: Notes::default(),
                 attempts: Attempts::default(),
                 decision: None,
             },
-            started: Instant::now(),
             served: None,
         }
     }
 
     pub(super) fn attempt(&mut self, spec: &CallSpec<'_>) -> Attempt {
-        let started = Instant::now();
         Attempt {
             ids: self.f.ids.clone(),
             span_id: context::span_id(),
-            start_ns: after(
-                self.f.start_ns,
-                started.saturating_duration_since(self.started),
-            ),
-            started,
+            start: mono_ns(),
             backend: spec.backend.id.clone(),
             kind: spec.backend.kind,
             model: spec.model.clone(),
@@ -359,8 +399,7 @@ impl RequestTrace {
     pub fn chunk(&mut self, data: &[u8]) {
         if let Some(a) = self.served.as_mut() {
             if a.first_chunk.is_none() {
-                let d = a.started.elapsed();
-                a.first_chunk = Some((d.as_secs_f64(), after(a.start_ns, d)));
+                a.first_chunk = Some(mono_ns());
             }
         }
         self.f.notes.scan(data, self.f.ids.sampled);
@@ -369,8 +408,8 @@ impl RequestTrace {
     /// Ends the served attempt and the server span with the decision, and queues the lot for
     /// export (dropped and counted when the queue is full). The box is queued as it is.
     pub fn finish(mut self: Box<Self>, entry: &Entry) {
-        let end = Instant::now();
-        self.f.end_ns = after(self.f.start_ns, end.saturating_duration_since(self.started));
+        let end = mono_ns();
+        self.f.end = end;
         if let Some(a) = self.served.take() {
             self.f.attempts.push(a.done(end, Outcome::Served));
         }
@@ -403,13 +442,11 @@ impl Attempt {
         &self.model
     }
 
-    fn done(self, end: Instant, outcome: Outcome) -> AttemptDone {
-        let took = end.saturating_duration_since(self.started);
+    fn done(self, end: u64, outcome: Outcome) -> AttemptDone {
         AttemptDone {
             span_id: self.span_id,
-            start_ns: self.start_ns,
-            end_ns: after(self.start_ns, took),
-            duration_s: took.as_secs_f64(),
+            start: self.start,
+            end,
             backend: self.backend,
             provider: provider_name(self.kind),
             model: self.model,
@@ -434,7 +471,7 @@ impl Attempt {
             CallResult::Failed(f) => Outcome::Failed(f.class.as_str(), f.status),
             CallResult::Skipped(s) => Outcome::Skipped(s.as_str()),
         };
-        let done = self.done(Instant::now(), outcome);
+        let done = self.done(mono_ns(), outcome);
         let _ = with(move |t| t.f.attempts.push(done));
     }
 }
