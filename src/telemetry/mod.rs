@@ -9,6 +9,7 @@
 pub mod alerts;
 pub mod names;
 pub mod otel;
+pub mod scope;
 pub mod stats;
 pub mod window;
 

@@ -11,6 +11,7 @@ use crate::audit::{Audit, QueueWait};
 use crate::dialect::{self, render::Meta, Dialect, Inbound, Op, Rendered, Routed};
 use crate::estimate::Endpoint;
 use crate::governor::{Governor, ReasonClass, Record};
+use crate::telemetry::scope;
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode};
@@ -195,11 +196,6 @@ fn bare_record(snap: &Snapshot, path: &str, status: u16) -> Record {
     .refused_early(ReasonClass::BadRequest, status, "not governed".into())
 }
 
-tokio::task_local! {
-    /// Set when the client of the request this task serves has gone away.
-    static CLIENT_GONE: Arc<AtomicBool>;
-}
-
 /// Polls the governed work in place, in the connection's task (no hand-off to another task
 /// on the common path). hyper drops the service future when the client hangs up; a call that
 /// reached the upstream must still be reconciled (its usage committed, its hold released
@@ -260,19 +256,16 @@ async fn governed(
 ) -> (Response<Body>, Meta) {
     let gone = Arc::new(AtomicBool::new(false));
     let app = app.clone();
-    // The request's trace (when OTLP export is on) lives in the future that does the work.
-    // Boxed: with export off (the usual case) the work carries a pointer, not the trace, and
-    // with it on, the task-local that holds it swaps a pointer on each poll.
+    // The client-gone flag and the request's trace (when OTLP export is on, boxed) live in
+    // the task scope of the work (see `scope::run`).
     let trace = crate::telemetry::otel::start(req.headers(), endpoint);
-    let work = CLIENT_GONE.scope(gone.clone(), async move {
+    let work = scope::run(gone.clone(), trace, async move {
         let mut meta = Meta::default();
+        // Boxed: the work future, moved into its own box below, stays small.
         let fut: Pin<Box<dyn Future<Output = Response<Body>> + Send + '_>> = Box::pin(
             phases::governed_here(&app, snap, endpoint, &inb, &mut meta, req, t0),
         );
-        let resp = match trace {
-            None => fut.await,
-            Some(t) => crate::telemetry::otel::scope(t, fut).await,
-        };
+        let resp = fut.await;
         (resp, meta)
     });
     let detached = Detach {
@@ -292,13 +285,6 @@ async fn governed(
     }
 }
 
-/// Whether the client of the request this task serves has gone away.
-fn client_gone() -> bool {
-    CLIENT_GONE
-        .try_with(|g| g.load(Ordering::Acquire))
-        .unwrap_or(false)
-}
-
 /// Where a request on a path not governed came in.
 fn unknown(api: Dialect, at: Instant) -> Origin {
     Origin {
@@ -313,7 +299,7 @@ fn unknown(api: Dialect, at: Instant) -> Origin {
 /// hands back when the queue is full must be awaited.
 #[must_use = "a full audit queue's wait must be awaited"]
 fn finish(app: &App, origin: Origin, mut record: Record) -> Option<QueueWait> {
-    if client_gone() {
+    if scope::client_gone() {
         record.client_disconnected = true;
     }
     let entry = close(

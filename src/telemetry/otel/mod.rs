@@ -9,9 +9,9 @@
 //! background task drains ([`export`]); a full queue or a failed export drops spans and counts
 //! them in `tollgate_otel_dropped_spans_total`, never slowing or failing a request.
 //!
-//! The request's trace lives in a task-local for the duration of the governed call, so the
-//! transport starts its attempt spans under it without new parameters; a stream takes it with
-//! [`take`] and finishes it when the stream ends.
+//! The request's trace lives in the request task's scope ([`crate::telemetry::scope`]) for the
+//! duration of the governed call, so the transport starts its attempt spans under it without
+//! new parameters; a stream takes it with [`take`] and finishes it when the stream ends.
 
 mod config;
 mod context;
@@ -27,9 +27,8 @@ pub use context::{Root, Sampler};
 pub use spans::{is_trace_context, Attempt, RequestTrace};
 
 use crate::estimate::Endpoint;
+use crate::telemetry::scope;
 use arc_swap::ArcSwapOption;
-use std::cell::RefCell;
-use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -50,10 +49,6 @@ impl std::fmt::Debug for Otel {
 
 static ON: AtomicBool = AtomicBool::new(false);
 static OTEL: ArcSwapOption<Otel> = ArcSwapOption::const_empty();
-
-tokio::task_local! {
-    static REQUEST: RefCell<Option<Box<RequestTrace>>>;
-}
 
 /// Whether export is on: the request path's only check when it is off.
 #[inline]
@@ -150,22 +145,13 @@ fn build(s: &Settings) -> Result<Otel, String> {
     })
 }
 
-/// Runs `fut` (a governed request) under `trace`. The server span ends in [`finish`] or, for
-/// a stream, when the stream [`take`]s it and ends. Boxed: the task-local is swapped in and
-/// out on every poll of `fut`, a pointer rather than the trace's several hundred bytes.
-pub fn scope<F: Future>(trace: Box<RequestTrace>, fut: F) -> impl Future<Output = F::Output> {
-    REQUEST.scope(RefCell::new(Some(trace)), fut)
-}
-
-/// Runs `f` on the request's trace, if this task is in a [`scope`].
+/// Runs `f` on the request's trace, if this task's request has one (see [`scope::run`]: the
+/// server span ends in [`finish`] or, for a stream, when the stream [`take`]s it and ends).
 fn with<R>(f: impl FnOnce(&mut RequestTrace) -> R) -> Option<R> {
     if !enabled() {
         return None;
     }
-    REQUEST
-        .try_with(|c| c.borrow_mut().as_mut().map(|t| f(t)))
-        .ok()
-        .flatten()
+    scope::with_trace(f)
 }
 
 /// Starts the span of one upstream attempt under the request's span (`None` outside a scope).
@@ -196,7 +182,7 @@ pub fn take() -> Option<Box<RequestTrace>> {
     if !enabled() {
         return None;
     }
-    REQUEST.try_with(|c| c.borrow_mut().take()).ok().flatten()
+    scope::take_trace()
 }
 
 /// Ends the request's server span with the finished record (buffered answers, refusals).
