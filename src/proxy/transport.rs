@@ -343,7 +343,7 @@ impl Call<'_> {
     async fn attempt(&self, spec: CallSpec<'_>) -> CallResult<UpstreamResponse> {
         // Boxed: the span is held across the call, and every level of the request's future
         // above would carry its bytes even with export off.
-        let span = crate::telemetry::otel::attempt(&spec).map(Box::new);
+        let span = crate::telemetry::otel::attempt(&spec);
         let r = self.attempt_inner(spec, span.as_deref()).await;
         if let Some(span) = span {
             span.end(&r);

@@ -155,7 +155,7 @@ fn with<R>(f: impl FnOnce(&mut RequestTrace) -> R) -> Option<R> {
 }
 
 /// Starts the span of one upstream attempt under the request's span (`None` outside a scope).
-pub fn attempt(spec: &crate::governor::CallSpec<'_>) -> Option<Attempt> {
+pub fn attempt(spec: &crate::governor::CallSpec<'_>) -> Option<Box<Attempt>> {
     with(|t| t.attempt(spec))
 }
 

@@ -89,7 +89,7 @@ pub(crate) struct TraceIds {
 pub struct RequestTrace {
     pub(super) f: Finished,
     /// The served attempt, open until the request ends.
-    served: Option<Attempt>,
+    served: Option<Box<Attempt>>,
 }
 
 impl std::fmt::Debug for RequestTrace {
@@ -100,23 +100,11 @@ impl std::fmt::Debug for RequestTrace {
     }
 }
 
-/// One upstream attempt's client span, open.
+/// One upstream attempt's client span: boxed once when it starts, and the box itself kept in
+/// the request's trace when it ends (its record is filled in place, never moved).
 pub struct Attempt {
     ids: TraceIds,
-    span_id: [u8; 8],
-    /// [`mono_ns`] at the start.
-    start: u64,
-    backend: Arc<str>,
-    kind: BackendKind,
-    /// The chain entry's upstream model.
-    model: Arc<str>,
-    /// The backend's base URL (its host and port become `server.*` in the export task).
-    base_url: Arc<str>,
-    max_tokens: u64,
-    attempt: u32,
-    probe: bool,
-    /// When the first chunk of a streamed answer came ([`mono_ns`]).
-    first_chunk: Option<u64>,
+    done: AttemptDone,
 }
 
 impl std::fmt::Debug for Attempt {
@@ -138,7 +126,8 @@ pub(crate) enum Outcome {
     Skipped(&'static str),
 }
 
-/// An ended attempt, as the export task reads it.
+/// An attempt's record, as the export task reads it (`end` and `outcome` are set when it
+/// ends).
 #[derive(Debug)]
 pub(crate) struct AttemptDone {
     pub span_id: [u8; 8],
@@ -148,10 +137,12 @@ pub(crate) struct AttemptDone {
     pub backend: Arc<str>,
     pub provider: &'static str,
     pub model: Arc<str>,
+    /// The backend's base URL (its host and port become `server.*` in the export task).
     pub base_url: Arc<str>,
     pub max_tokens: u64,
     pub attempt: u32,
     pub probe: bool,
+    /// When the first chunk of a streamed answer came ([`mono_ns`]).
     pub first_chunk: Option<u64>,
     pub outcome: Outcome,
 }
@@ -169,15 +160,15 @@ impl AttemptDone {
 }
 
 /// A request's ended attempts, in order: the first kept inline (most requests make one
-/// attempt, which then costs no allocation).
+/// attempt, whose list then costs no allocation).
 #[derive(Debug, Default)]
 pub(crate) struct Attempts {
-    first: Option<AttemptDone>,
-    rest: Vec<AttemptDone>,
+    first: Option<Box<Attempt>>,
+    rest: Vec<Box<Attempt>>,
 }
 
 impl Attempts {
-    pub fn push(&mut self, a: AttemptDone) {
+    pub fn push(&mut self, a: Box<Attempt>) {
         if self.first.is_none() {
             self.first = Some(a);
         } else {
@@ -186,11 +177,11 @@ impl Attempts {
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &AttemptDone> {
-        self.first.iter().chain(&self.rest)
+        self.first.iter().chain(&self.rest).map(|a| &a.done)
     }
 
     pub fn last(&self) -> Option<&AttemptDone> {
-        self.rest.last().or(self.first.as_ref())
+        self.rest.last().or(self.first.as_ref()).map(|a| &a.done)
     }
 
     pub fn len(&self) -> usize {
@@ -201,8 +192,15 @@ impl Attempts {
 impl From<Vec<AttemptDone>> for Attempts {
     fn from(v: Vec<AttemptDone>) -> Attempts {
         let mut a = Attempts::default();
-        for x in v {
-            a.push(x);
+        for done in v {
+            a.push(Box::new(Attempt {
+                ids: TraceIds {
+                    trace_id: [1; 16],
+                    sampled: true,
+                    tracestate: None,
+                },
+                done,
+            }));
         }
         a
     }
@@ -379,27 +377,33 @@ impl RequestTrace {
         }
     }
 
-    pub(super) fn attempt(&mut self, spec: &CallSpec<'_>) -> Attempt {
-        Attempt {
+    pub(super) fn attempt(&mut self, spec: &CallSpec<'_>) -> Box<Attempt> {
+        let start = mono_ns();
+        Box::new(Attempt {
             ids: self.f.ids.clone(),
-            span_id: context::span_id(),
-            start: mono_ns(),
-            backend: spec.backend.id.clone(),
-            kind: spec.backend.kind,
-            model: spec.model.clone(),
-            base_url: spec.backend.base_url.clone(),
-            max_tokens: spec.max_output_tokens,
-            attempt: spec.attempt,
-            probe: spec.probe,
-            first_chunk: None,
-        }
+            done: AttemptDone {
+                span_id: context::span_id(),
+                start,
+                end: start,
+                backend: spec.backend.id.clone(),
+                provider: provider_name(spec.backend.kind),
+                model: spec.model.clone(),
+                base_url: spec.backend.base_url.clone(),
+                max_tokens: spec.max_output_tokens,
+                attempt: spec.attempt,
+                probe: spec.probe,
+                first_chunk: None,
+                // Set when it ends.
+                outcome: Outcome::Served,
+            },
+        })
     }
 
     /// Notes a chunk of a streamed answer: its first arrival, and what it says of itself.
     pub fn chunk(&mut self, data: &[u8]) {
         if let Some(a) = self.served.as_mut() {
-            if a.first_chunk.is_none() {
-                a.first_chunk = Some(mono_ns());
+            if a.done.first_chunk.is_none() {
+                a.done.first_chunk = Some(mono_ns());
             }
         }
         self.f.notes.scan(data, self.f.ids.sampled);
@@ -410,8 +414,10 @@ impl RequestTrace {
     pub fn finish(mut self: Box<Self>, entry: &Entry) {
         let end = mono_ns();
         self.f.end = end;
-        if let Some(a) = self.served.take() {
-            self.f.attempts.push(a.done(end, Outcome::Served));
+        if let Some(mut a) = self.served.take() {
+            a.done.end = end;
+            a.done.outcome = Outcome::Served;
+            self.f.attempts.push(a);
         }
         self.f.decision = Some(Decision::of(&entry.record));
         super::queue(self);
@@ -428,7 +434,7 @@ impl Attempt {
     /// request, which carries none of the client's (the transport does not forward them on a
     /// traced attempt).
     pub fn inject(&self, headers: &mut http::HeaderMap) {
-        let tp = context::traceparent(&self.ids.trace_id, &self.span_id, self.ids.sampled);
+        let tp = context::traceparent(&self.ids.trace_id, &self.done.span_id, self.ids.sampled);
         if let Ok(v) = HeaderValue::from_bytes(&tp) {
             headers.insert(TRACEPARENT, v);
         }
@@ -439,28 +445,11 @@ impl Attempt {
 
     /// The chain entry's upstream model.
     pub(super) fn model(&self) -> &Arc<str> {
-        &self.model
-    }
-
-    fn done(self, end: u64, outcome: Outcome) -> AttemptDone {
-        AttemptDone {
-            span_id: self.span_id,
-            start: self.start,
-            end,
-            backend: self.backend,
-            provider: provider_name(self.kind),
-            model: self.model,
-            base_url: self.base_url,
-            max_tokens: self.max_tokens,
-            attempt: self.attempt,
-            probe: self.probe,
-            first_chunk: self.first_chunk,
-            outcome,
-        }
+        &self.done.model
     }
 
     /// Ends the attempt with its result; the served one is kept for the request's end.
-    pub fn end<T>(self, r: &CallResult<T>) {
+    pub fn end<T>(mut self: Box<Self>, r: &CallResult<T>) {
         let outcome = match r {
             CallResult::Served(_) => {
                 // Outside a scope there is no request to end with: the span is not exported.
@@ -471,7 +460,8 @@ impl Attempt {
             CallResult::Failed(f) => Outcome::Failed(f.class.as_str(), f.status),
             CallResult::Skipped(s) => Outcome::Skipped(s.as_str()),
         };
-        let done = self.done(mono_ns(), outcome);
-        let _ = with(move |t| t.f.attempts.push(done));
+        self.done.end = mono_ns();
+        self.done.outcome = outcome;
+        let _ = with(move |t| t.f.attempts.push(self));
     }
 }

@@ -224,7 +224,8 @@ async fn otel_cost() {
     super::install(&s).unwrap();
     let one = || async {
         let t = super::start(&headers, crate::estimate::Endpoint::Chat).unwrap();
-        super::scope(t, async {
+        let gone = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        crate::telemetry::scope::run(gone, Some(t), async {
             let model: Arc<str> = Arc::from("m");
             let spec = CallSpec {
                 backend,
