@@ -5,7 +5,7 @@
 
 use super::notes::Finish;
 use super::proto::Writer;
-use super::spans::{Finished, Outcome, Wall, STATE_KEYS};
+use super::spans::{Finished, Outcome, States, Wall, STATE_KEYS};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -288,7 +288,8 @@ fn hasher() -> impl std::hash::Hasher {
 
 #[derive(Debug, Clone)]
 struct ServerKey {
-    statics: [(usize, usize); 11],
+    statics: [(usize, usize); 3],
+    states: States,
     strs: [Arc<str>; 4],
     team: Option<Arc<str>>,
 }
@@ -310,18 +311,17 @@ impl Blocks {
     fn server(&mut self, w: &mut Writer<'_>, f: &Finished) {
         use std::hash::{Hash, Hasher};
         let d = f.decision();
-        let mut statics = [(0, 0); 11];
-        statics[0] = static_id(f.op);
-        statics[1] = static_id(f.path);
-        statics[2] = static_id(served_provider(f));
-        for (slot, st) in statics[3..].iter_mut().zip(d.states) {
-            *slot = static_id(st);
-        }
+        let statics = [
+            static_id(f.op),
+            static_id(f.path),
+            static_id(served_provider(f)),
+        ];
         let strs = [&d.route, &d.consumer, &d.policy_version, &d.backend];
         self.server.write(
             w.0,
             |k| {
                 k.statics == statics
+                    && k.states == d.states
                     && k.strs.iter().zip(strs).all(|(a, b)| same_text(a, b))
                     && match (&k.team, &d.team) {
                         (None, None) => true,
@@ -332,6 +332,7 @@ impl Blocks {
             || {
                 let mut h = hasher();
                 statics.hash(&mut h);
+                d.states.hash(&mut h);
                 for s in strs {
                     s.hash(&mut h);
                 }
@@ -340,6 +341,7 @@ impl Blocks {
             },
             || ServerKey {
                 statics,
+                states: d.states,
                 strs: strs.map(Arc::clone),
                 team: d.team.clone(),
             },
@@ -353,7 +355,7 @@ impl Blocks {
                 if f.served().is_some() {
                     w.attr_str(A, "gen_ai.provider.name", served_provider(f));
                 }
-                for (k, v) in STATE_KEYS.iter().zip(d.states) {
+                for (k, v) in STATE_KEYS.iter().zip(d.states.strs()) {
                     w.attr_str(A, k, v);
                 }
                 w.attr_str(A, "tollgate.consumer", &d.consumer);
@@ -538,7 +540,13 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished,
 #[cfg(test)]
 mod tests {
     use super::super::notes::Notes;
-    use super::super::spans::{AttemptDone, Attempts, Decision, Finished, Outcome, TraceIds};
+    use super::super::spans::{
+        AttemptDone, Attempts, Decision, Finished, Outcome, States, TraceIds,
+    };
+    use crate::governor::{
+        BudgetState, CircuitState, FallbackState, FinalAction, QuotaState, ReasonClass,
+        RetryState, UsageEvidence,
+    };
     use super::host_port;
     use super::{encode_spans, Blocks, Wall};
     use std::sync::Arc;
@@ -572,7 +580,16 @@ mod tests {
                 outcome: Outcome::Served,
             }]),
             decision: Some(Decision {
-                states: ["ALLOW", "OK", "a", "b", "c", "d", "e", "f"],
+                states: States {
+                    final_action: FinalAction::Allow,
+                    reason_class: ReasonClass::Ok,
+                    budget: BudgetState::Ok,
+                    quota: QuotaState::Ok,
+                    circuit: CircuitState::Closed,
+                    retry: RetryState::NotNeeded,
+                    usage_evidence: UsageEvidence::Actual,
+                    fallback: FallbackState::NotNeeded,
+                },
                 http_status: 200,
                 route: Arc::from("chat"),
                 consumer: Arc::from(consumer),
@@ -648,6 +665,24 @@ mod tests {
         }
         assert_eq!(blocks.server.map.len(), 3);
         assert_eq!(blocks.client.map.len(), 2);
+        // A decision that differs in one state only has a block of its own.
+        let mut f = finished("alice", None, "m1");
+        if let Some(d) = f.decision.as_mut() {
+            d.states.final_action = FinalAction::HardStop;
+            d.states.reason_class = ReasonClass::HardBudgetExceeded;
+        }
+        let mut out = Vec::new();
+        encode_spans(&mut blocks, &mut out, &f, &Wall::now());
+        let server = &decode(&out)[0];
+        assert_eq!(
+            attr(server, "tollgate.final_action").as_deref(),
+            Some("HARD_STOP")
+        );
+        assert_eq!(
+            attr(server, "tollgate.reason_class").as_deref(),
+            Some("HARD_BUDGET_EXCEEDED")
+        );
+        assert_eq!(blocks.server.map.len(), 4);
     }
 
     #[test]

@@ -17,7 +17,10 @@ use super::context::{self, Parent, Sampler};
 use super::notes::Notes;
 use super::with;
 use crate::audit::Entry;
-use crate::governor::{CallResult, CallSpec, Record, UsageEvidence};
+use crate::governor::{
+    BudgetState, CallResult, CallSpec, CircuitState, FallbackState, FinalAction, QuotaState,
+    ReasonClass, Record, RetryState, UsageEvidence,
+};
 use crate::policy::BackendKind;
 use http::HeaderValue;
 use std::sync::Arc;
@@ -210,7 +213,7 @@ impl From<Vec<AttemptDone>> for Attempts {
 /// not the whole record).
 #[derive(Debug)]
 pub(crate) struct Decision {
-    pub states: [&'static str; 8],
+    pub states: States,
     pub http_status: u16,
     pub route: Arc<str>,
     pub consumer: Arc<str>,
@@ -231,16 +234,16 @@ pub(crate) struct Decision {
 impl Decision {
     fn of(rec: &Record) -> Decision {
         Decision {
-            states: [
-                rec.final_action.as_str(),
-                rec.reason_class.as_str(),
-                rec.budget_state.as_str(),
-                rec.quota_state.as_str(),
-                rec.circuit_state.as_str(),
-                rec.retry_state.as_str(),
-                rec.usage_evidence_state.as_str(),
-                rec.fallback_state.as_str(),
-            ],
+            states: States {
+                final_action: rec.final_action,
+                reason_class: rec.reason_class,
+                budget: rec.budget_state,
+                quota: rec.quota_state,
+                circuit: rec.circuit_state,
+                retry: rec.retry_state,
+                usage_evidence: rec.usage_evidence_state,
+                fallback: rec.fallback_state,
+            },
             http_status: rec.http_status,
             route: rec.route.clone(),
             consumer: rec.consumer_id.clone(),
@@ -261,11 +264,41 @@ impl Decision {
 
     /// `tollgate.reason_class`.
     pub fn reason(&self) -> &'static str {
-        self.states[1]
+        self.states.reason_class.as_str()
     }
 }
 
-/// The names of [`Decision::states`], in order.
+/// The decision's eight states, as the governor's enums (their names are looked up only when
+/// a block of attributes is encoded).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct States {
+    pub final_action: FinalAction,
+    pub reason_class: ReasonClass,
+    pub budget: BudgetState,
+    pub quota: QuotaState,
+    pub circuit: CircuitState,
+    pub retry: RetryState,
+    pub usage_evidence: UsageEvidence,
+    pub fallback: FallbackState,
+}
+
+impl States {
+    /// The values of [`STATE_KEYS`], in order.
+    pub fn strs(&self) -> [&'static str; 8] {
+        [
+            self.final_action.as_str(),
+            self.reason_class.as_str(),
+            self.budget.as_str(),
+            self.quota.as_str(),
+            self.circuit.as_str(),
+            self.retry.as_str(),
+            self.usage_evidence.as_str(),
+            self.fallback.as_str(),
+        ]
+    }
+}
+
+/// The names of [`States::strs`], in order.
 pub(crate) const STATE_KEYS: [&str; 8] = [
     "tollgate.final_action",
     "tollgate.reason_class",
@@ -299,7 +332,16 @@ pub(crate) struct Finished {
 static PENDING: std::sync::LazyLock<Decision> = std::sync::LazyLock::new(|| {
     let empty: Arc<str> = Arc::from("");
     Decision {
-        states: [""; 8],
+        states: States {
+            final_action: FinalAction::Allow,
+            reason_class: ReasonClass::Ok,
+            budget: BudgetState::Ok,
+            quota: QuotaState::Ok,
+            circuit: CircuitState::Closed,
+            retry: RetryState::NotNeeded,
+            usage_evidence: UsageEvidence::None,
+            fallback: FallbackState::NotNeeded,
+        },
         http_status: 0,
         route: empty.clone(),
         consumer: empty.clone(),
