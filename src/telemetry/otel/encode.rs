@@ -39,16 +39,25 @@ struct Head<'a> {
     span_id: &'a [u8; 8],
     parent: Option<&'a [u8; 8]>,
     remote_parent: bool,
-    /// The name, `"{0} {1}"` (or `"{0}"`).
-    name: (&'a str, &'a str),
-    /// SERVER 2, CLIENT 3.
-    kind: u64,
     /// Start and end, Unix ns.
     times: (u64, u64),
 }
 
-/// A span's fields, shared by both kinds: ids (1, 2), `trace_state` 3, parent 4, name 5,
-/// kind 6, times 7 and 8, and `flags` 16 (the W3C flags, and whether the parent is remote).
+/// A span's name 5 (`"{0} {1}"`, or `"{0}"`) and kind 6 (SERVER 2, CLIENT 3): both follow
+/// from what the memo blocks are keyed by, and are encoded in them.
+fn name_and_kind(w: &mut Writer<'_>, name: (&str, &str), kind: u64) {
+    let (a, b) = name;
+    if b.is_empty() {
+        w.string(5, a);
+    } else {
+        w.string_pair(5, a, b);
+    }
+    w.uint(6, kind);
+}
+
+/// A span's fields, shared by both kinds, but for its name and kind: ids (1, 2),
+/// `trace_state` 3, parent 4, times 7 and 8, and `flags` 16 (the W3C flags, and whether the
+/// parent is remote).
 fn head(w: &mut Writer<'_>, f: &Finished, h: Head<'_>) {
     // The fixed-size fields are laid out in place and appended at once.
     let mut ids = [0u8; 28];
@@ -69,24 +78,16 @@ fn head(w: &mut Writer<'_>, f: &Finished, h: Head<'_>) {
         b[2..].copy_from_slice(p);
         w.0.extend_from_slice(&b);
     }
-    let (a, b) = h.name;
-    if b.is_empty() {
-        w.string(5, a);
-    } else {
-        w.string_pair(5, a, b);
-    }
     // SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE (0x100) | IS_REMOTE (0x200) | sampled (0x01).
     let flags: u32 = 0x101 | if h.remote_parent { 0x200 } else { 0 };
-    let mut t = [0u8; 26];
-    t[0] = 6 << 3; // kind, varint (2 or 3: one byte)
-    t[1] = h.kind as u8;
-    t[2] = 7 << 3 | 1; // start_time_unix_nano, fixed64
-    t[3..11].copy_from_slice(&h.times.0.to_le_bytes());
-    t[11] = 8 << 3 | 1; // end_time_unix_nano, fixed64
-    t[12..20].copy_from_slice(&h.times.1.to_le_bytes());
-    t[20] = 0x85; // flags = 16, fixed32: key 133 as a two-byte varint
-    t[21] = 0x01;
-    t[22..26].copy_from_slice(&flags.to_le_bytes());
+    let mut t = [0u8; 24];
+    t[0] = 7 << 3 | 1; // start_time_unix_nano, fixed64
+    t[1..9].copy_from_slice(&h.times.0.to_le_bytes());
+    t[9] = 8 << 3 | 1; // end_time_unix_nano, fixed64
+    t[10..18].copy_from_slice(&h.times.1.to_le_bytes());
+    t[18] = 0x85; // flags = 16, fixed32: key 133 as a two-byte varint
+    t[19] = 0x01;
+    t[20..24].copy_from_slice(&flags.to_le_bytes());
     w.0.extend_from_slice(&t);
 }
 
@@ -165,7 +166,7 @@ impl Said {
 }
 
 /// Attributes that repeat from request to request, encoded once per distinct set and copied
-/// after that: on the server span, operation, method, path, route, provider, the eight states,
+/// after that, with the span's name and kind: on the server span, operation, method, path, route, provider, the eight states,
 /// consumer, team, policy version and backend (17 of its ~30); on a client span, operation,
 /// provider, model, backend, probe and the backend's address (9 of its ~15).
 #[derive(Debug, Default)]
@@ -346,6 +347,7 @@ impl Blocks {
                 team: d.team.clone(),
             },
             |w| {
+                name_and_kind(w, (f.op, &d.route), 2); // SERVER
                 w.attr_str(A, "gen_ai.operation.name", f.op);
                 w.attr_str(A, "http.request.method", "POST");
                 w.attr_str(A, "url.path", f.path);
@@ -398,6 +400,7 @@ impl Blocks {
                 base_url: a.base_url.clone(),
             },
             |w| {
+                name_and_kind(w, (f.op, &a.model), 3); // CLIENT
                 w.attr_str(A, "gen_ai.operation.name", f.op);
                 w.attr_str(A, "gen_ai.provider.name", a.provider);
                 w.attr_str(A, "gen_ai.request.model", &a.model);
@@ -443,8 +446,6 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished,
                 span_id: &f.span_id,
                 parent: f.parent.as_ref(),
                 remote_parent: f.parent.is_some(),
-                name: (f.op, &d.route),
-                kind: 2, // SERVER
                 times: (wall.ns(f.start), wall.ns(f.end)),
             },
         );
@@ -486,8 +487,6 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished,
                     span_id: &a.span_id,
                     parent: Some(&f.span_id),
                     remote_parent: false,
-                    name: (f.op, &a.model),
-                    kind: 3, // CLIENT
                     times: (wall.ns(a.start), wall.ns(a.end)),
                 },
             );
