@@ -542,12 +542,12 @@ mod tests {
     use super::super::spans::{
         AttemptDone, Attempts, Decision, Finished, Outcome, States, TraceIds,
     };
-    use crate::governor::{
-        BudgetState, CircuitState, FallbackState, FinalAction, QuotaState, ReasonClass,
-        RetryState, UsageEvidence,
-    };
     use super::host_port;
     use super::{encode_spans, Blocks, Wall};
+    use crate::governor::{
+        BudgetState, CircuitState, FallbackState, FinalAction, QuotaState, ReasonClass, RetryState,
+        UsageEvidence,
+    };
     use std::sync::Arc;
 
     fn finished(consumer: &str, team: Option<&str>, model: &str) -> Finished {

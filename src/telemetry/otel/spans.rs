@@ -167,6 +167,9 @@ impl AttemptDone {
 #[derive(Debug, Default)]
 pub(crate) struct Attempts {
     first: Option<Box<Attempt>>,
+    // Boxes: an attempt's record was boxed when it started, and moving the box is cheaper
+    // than moving the record out of it.
+    #[allow(clippy::vec_box)]
     rest: Vec<Box<Attempt>>,
 }
 
