@@ -544,10 +544,7 @@ mod tests {
     };
     use super::host_port;
     use super::{encode_spans, Blocks, Wall};
-    use crate::governor::{
-        BudgetState, CircuitState, FallbackState, FinalAction, QuotaState, ReasonClass, RetryState,
-        UsageEvidence,
-    };
+    use crate::governor::{FinalAction, ReasonClass, UsageEvidence};
     use std::sync::Arc;
 
     fn finished(consumer: &str, team: Option<&str>, model: &str) -> Finished {
@@ -580,14 +577,8 @@ mod tests {
             }]),
             decision: Some(Decision {
                 states: States {
-                    final_action: FinalAction::Allow,
-                    reason_class: ReasonClass::Ok,
-                    budget: BudgetState::Ok,
-                    quota: QuotaState::Ok,
-                    circuit: CircuitState::Closed,
-                    retry: RetryState::NotNeeded,
                     usage_evidence: UsageEvidence::Actual,
-                    fallback: FallbackState::NotNeeded,
+                    ..States::default()
                 },
                 http_status: 200,
                 route: Arc::from("chat"),

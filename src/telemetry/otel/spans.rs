@@ -285,6 +285,22 @@ pub(crate) struct States {
     pub fallback: FallbackState,
 }
 
+impl Default for States {
+    /// Nothing happened yet: allowed, no limit hit, no usage seen.
+    fn default() -> States {
+        States {
+            final_action: FinalAction::Allow,
+            reason_class: ReasonClass::Ok,
+            budget: BudgetState::Ok,
+            quota: QuotaState::Ok,
+            circuit: CircuitState::Closed,
+            retry: RetryState::NotNeeded,
+            usage_evidence: UsageEvidence::None,
+            fallback: FallbackState::NotNeeded,
+        }
+    }
+}
+
 impl States {
     /// The values of [`STATE_KEYS`], in order.
     pub fn strs(&self) -> [&'static str; 8] {
@@ -335,16 +351,7 @@ pub(crate) struct Finished {
 static PENDING: std::sync::LazyLock<Decision> = std::sync::LazyLock::new(|| {
     let empty: Arc<str> = Arc::from("");
     Decision {
-        states: States {
-            final_action: FinalAction::Allow,
-            reason_class: ReasonClass::Ok,
-            budget: BudgetState::Ok,
-            quota: QuotaState::Ok,
-            circuit: CircuitState::Closed,
-            retry: RetryState::NotNeeded,
-            usage_evidence: UsageEvidence::None,
-            fallback: FallbackState::NotNeeded,
-        },
+        states: States::default(),
         http_status: 0,
         route: empty.clone(),
         consumer: empty.clone(),
