@@ -26,15 +26,15 @@ rm -f /tmp/tollgate-bench.db*
 unset OTEL_EXPORTER_OTLP_ENDPOINT OTEL_EXPORTER_OTLP_TRACES_ENDPOINT OTEL_EXPORTER_OTLP_METRICS_ENDPOINT
 # Both runs wait as long before and after counting: the process's idle work (the policy file
 # watcher, the runtime's timers) goes by the second, not by the request, and cancels out.
-SETTLE_ON=${SETTLE_ON:-6}
-off=$(TOLLGATE_LOG=warn SETTLE=$SETTLE_ON PRE_SETTLE=2 measure off "$PORT" "$BIN" serve --policy "$POLICY")
+WAIT=${SETTLE_ON:-6}   # after the requests, both runs (SETTLE_ON: its name from when only the on run waited)
+off=$(TOLLGATE_LOG=warn SETTLE=$WAIT PRE_SETTLE=2 measure off "$PORT" "$BIN" serve --policy "$POLICY")
 rm -f /tmp/tollgate-bench.db*
 : > /tmp/tollgate-bench-otlp.log   # (nginx holds it open: truncate, do not remove)
 # Every request sampled (SAMPLER=traceidratio SAMPLER_ARG=0.1 measures a sampled tenth); spans leave within 100 ms, metrics every second, so the export work
 # the N requests cause happens inside the counted window (SETTLE waits for the last batch), and
 # the warm-up's spans leave before counting starts (PRE_SETTLE).
 on=$(OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:18080 OTEL_TRACES_SAMPLER=${SAMPLER:-always_on} OTEL_TRACES_SAMPLER_ARG=${SAMPLER_ARG:-1} \
-  OTEL_BSP_SCHEDULE_DELAY=${DELAY:-1000} OTEL_METRIC_EXPORT_INTERVAL=${METRIC_MS:-5000} TOLLGATE_LOG=warn SETTLE=$SETTLE_ON PRE_SETTLE=2 \
+  OTEL_BSP_SCHEDULE_DELAY=${DELAY:-1000} OTEL_METRIC_EXPORT_INTERVAL=${METRIC_MS:-5000} TOLLGATE_LOG=warn SETTLE=$WAIT PRE_SETTLE=2 \
   measure on "$PORT" "$BIN" serve --policy "$POLICY")
 traces=$(grep -c 'POST /v1/traces HTTP[^"]*" 200' /tmp/tollgate-bench-otlp.log 2>/dev/null || true)
 metrics=$(grep -c 'POST /v1/metrics HTTP[^"]*" 200' /tmp/tollgate-bench-otlp.log 2>/dev/null || true)

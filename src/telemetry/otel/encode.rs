@@ -166,9 +166,10 @@ impl Said {
 }
 
 /// Attributes that repeat from request to request, encoded once per distinct set and copied
-/// after that, with the span's name and kind: on the server span, operation, method, path, route, provider, the eight states,
-/// consumer, team, policy version and backend (17 of its ~30); on a client span, operation,
-/// provider, model, backend, probe and the backend's address (9 of its ~15).
+/// after that, with the span's name and kind: on the server span, operation, method, path,
+/// route, provider, the eight states, consumer, team, policy version and backend (17 of its
+/// ~30); on a client span, operation, provider, model, backend, probe and the backend's
+/// address (9 of its ~15).
 #[derive(Debug, Default)]
 pub(crate) struct Blocks {
     server: Memo<ServerKey>,

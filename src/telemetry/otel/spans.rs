@@ -195,6 +195,8 @@ impl Attempts {
     }
 }
 
+/// Tests build a record's attempts from their records alone.
+#[cfg(test)]
 impl From<Vec<AttemptDone>> for Attempts {
     fn from(v: Vec<AttemptDone>) -> Attempts {
         let mut a = Attempts::default();
@@ -429,7 +431,7 @@ impl RequestTrace {
         }
     }
 
-    pub(super) fn attempt(&mut self, spec: &CallSpec<'_>) -> Box<Attempt> {
+    pub(super) fn attempt(&self, spec: &CallSpec<'_>) -> Box<Attempt> {
         let start = mono_ns();
         Box::new(Attempt {
             ids: self.f.ids.clone(),
