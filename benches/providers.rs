@@ -77,6 +77,7 @@ fn requests(c: &mut Criterion) {
                     base_url: "http://up",
                     endpoint: Endpoint::Chat,
                     body: &b,
+                    raw: None,
                     model: "m",
                     max_output_tokens: 256,
                     output_cap_field: None,

@@ -129,7 +129,7 @@ pub struct SystemClock;
 
 impl Clock for SystemClock {
     fn now_ms(&self) -> Millis {
-        jiff::Timestamp::now().as_millisecond()
+        crate::units::now_ms()
     }
     fn sleep_ms(&self, ms: u64) -> impl Future<Output = ()> + Send {
         tokio::time::sleep(std::time::Duration::from_millis(ms))

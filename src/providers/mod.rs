@@ -38,6 +38,10 @@ pub struct BuildCtx<'a> {
     pub endpoint: Endpoint,
     /// The client's OpenAI request body.
     pub body: &'a Map<String, Value>,
+    /// The bytes `body` was read from, when it is their parse unchanged (the OpenAI dialect):
+    /// an OpenAI request is then spliced from them, every member it does not edit as the
+    /// client sent it.
+    pub raw: Option<&'a [u8]>,
     /// The chain entry's upstream model.
     pub model: &'a str,
     /// The reserved output cap per choice: always sent, so the provider enforces the bound.

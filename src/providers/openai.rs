@@ -54,6 +54,36 @@ impl Serialize for Rewritten<'_> {
     }
 }
 
+/// The client's bytes with the same edits [`Rewritten`] makes: the model, the cap (under one
+/// of the two cap fields, the other removed) and the usage chunk asked for. Every other member
+/// keeps the client's bytes and place.
+fn spliced(
+    raw: &[u8],
+    model: &str,
+    cap: Option<(&'static str, u64)>,
+    include_usage: bool,
+) -> Result<Vec<u8>, Untranslatable> {
+    let (model, yes) = (Value::from(model), Value::Bool(true));
+    let capv = cap.map(|(_, v)| Value::from(v));
+    let mut edits = [Edit::Set("model", &model); 4];
+    let mut n = 1;
+    if let (Some((key, _)), Some(v)) = (cap, &capv) {
+        let other = if key == "max_tokens" {
+            "max_completion_tokens"
+        } else {
+            "max_tokens"
+        };
+        edits[1] = Edit::Set(key, v);
+        edits[2] = Edit::Remove(other);
+        n = 3;
+    }
+    if include_usage {
+        edits[n] = Edit::SetIn("stream_options", "include_usage", &yes);
+        n += 1;
+    }
+    super::splice::splice(raw, &edits[..n]).map_err(Untranslatable)
+}
+
 fn path_of(e: Endpoint) -> &'static str {
     match e {
         Endpoint::Chat => "/chat/completions",
@@ -111,13 +141,16 @@ impl Provider for OpenAi {
             Endpoint::Chat => Some((chat_cap_field(c), c.max_output_tokens)),
             Endpoint::Completions => Some(("max_tokens", c.max_output_tokens)),
         };
-        let body = serde_json::to_vec(&Rewritten {
-            body: c.body,
-            model: c.model,
-            cap,
-            include_usage: c.add_include_usage,
-        })
-        .map_err(|e| Untranslatable(e.to_string()))?;
+        let body = match c.raw {
+            Some(raw) => spliced(raw, c.model, cap, c.add_include_usage)?,
+            None => serde_json::to_vec(&Rewritten {
+                body: c.body,
+                model: c.model,
+                cap,
+                include_usage: c.add_include_usage,
+            })
+            .map_err(|e| Untranslatable(e.to_string()))?,
+        };
         Ok(NativeRequest {
             url: join(c.base_url, path_of(c.endpoint)),
             body,
@@ -175,21 +208,83 @@ mod tests {
     use crate::policy::OutputCapField;
     use serde_json::json;
 
+    /// One attempt's body built both ways, from the parsed map and spliced from the client's
+    /// bytes: the two must say the same.
+    fn built(model: &str, raw: &str, field: Option<OutputCapField>, usage: bool) -> (Value, Value) {
+        let body: serde_json::Map<String, Value> = serde_json::from_str(raw).expect("object");
+        let build = |raw: Option<&[u8]>| {
+            let r = OpenAi
+                .request(&BuildCtx {
+                    base_url: "http://up",
+                    endpoint: Endpoint::Chat,
+                    body: &body,
+                    raw,
+                    model,
+                    max_output_tokens: 77,
+                    output_cap_field: field,
+                    stream: usage,
+                    add_include_usage: usage,
+                })
+                .expect("request");
+            serde_json::from_slice::<Value>(&r.body).expect("json")
+        };
+        (build(None), build(Some(raw.as_bytes())))
+    }
+
     fn sent(model: &str, body: Value, field: Option<OutputCapField>) -> Value {
-        let body = body.as_object().cloned().unwrap_or_default();
+        let (mapped, spliced) = built(model, &body.to_string(), field, false);
+        assert_eq!(mapped, spliced);
+        spliced
+    }
+
+    #[test]
+    fn spliced_and_rewritten_bodies_agree() {
+        for raw in [
+            r#"{"model":"chat","messages":[{"role":"user","content":"hi"}],"max_tokens":256}"#,
+            r#"{"messages":[],"max_completion_tokens":9,"max_tokens":3,"temperature":0.5}"#,
+            r#"{"messages":[],"stream":true,"stream_options":{"include_usage":false,"x":1}}"#,
+            r#"{"messages":[],"stream":true,"stream_options":null}"#,
+            r#"{"model":"a","messages":[{"role":"user","content":"long"}],"model":"b","messages":[]}"#,
+            r#"{"messages":[],"max_tokens":1,"max_tokens":2000}"#,
+            r#"{"m\u0065ssages":[{"role":"user","content":"\u00e9\n"}],"n":2}"#,
+        ] {
+            for usage in [false, true] {
+                for field in [None, Some(OutputCapField::MaxCompletionTokens)] {
+                    for model in ["llama", "o3"] {
+                        let (mapped, spliced) = built(model, raw, field, usage);
+                        assert_eq!(mapped, spliced, "{raw} usage={usage} {field:?} {model}");
+                        assert_eq!(spliced["model"], model);
+                        if usage {
+                            assert_eq!(spliced["stream_options"]["include_usage"], true);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_spliced_body_keeps_the_clients_bytes() {
+        // serde_json reads an integer past u64 as a float and would write it back changed.
+        let raw = r#"{"model":"chat", "messages":[{"role":"user","content":"x"}], "temperature":1.50,"seed":123456789012345678901234,"max_tokens":5}"#;
+        let body: serde_json::Map<String, Value> = serde_json::from_str(raw).unwrap();
         let r = OpenAi
             .request(&BuildCtx {
                 base_url: "http://up",
                 endpoint: Endpoint::Chat,
                 body: &body,
-                model,
+                raw: Some(raw.as_bytes()),
+                model: "llama",
                 max_output_tokens: 77,
-                output_cap_field: field,
+                output_cap_field: None,
                 stream: false,
                 add_include_usage: false,
             })
-            .expect("request");
-        serde_json::from_slice(&r.body).expect("json")
+            .unwrap();
+        assert_eq!(
+            std::str::from_utf8(&r.body).unwrap(),
+            r#"{"model":"llama","messages":[{"role":"user","content":"x"}],"temperature":1.50,"seed":123456789012345678901234,"max_tokens":77}"#
+        );
     }
 
     #[test]

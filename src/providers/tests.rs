@@ -7,6 +7,7 @@ fn ctx<'a>(body: &'a Map<String, Value>, stream: bool) -> BuildCtx<'a> {
         base_url: "http://up/",
         endpoint: Endpoint::Chat,
         body,
+        raw: None,
         model: "native-model",
         max_output_tokens: 321,
         output_cap_field: None,

@@ -153,7 +153,7 @@ pub fn stamp(h: &mut HeaderMap, limits: &[TokenLimit]) {
     let Some(t) = tightest(limits) else {
         return;
     };
-    let now = jiff::Timestamp::now().as_millisecond();
+    let now = crate::units::now_ms();
     h.insert(H_LIMIT.clone(), HeaderValue::from(t.limit));
     h.insert(H_REMAINING.clone(), HeaderValue::from(t.remaining));
     if let Some(reset) = t.resets_at_ms {

@@ -197,7 +197,7 @@ impl Metered {
                     _ => {}
                 }
                 if let Some(b) = backend {
-                    let now = jiff::Timestamp::now().as_millisecond();
+                    let now = crate::units::now_ms();
                     governor
                         .circuit(&b.id)
                         .on_failure(now, &b.circuit, None, None);

@@ -195,6 +195,8 @@ pub struct Call<'a> {
     pub endpoint: Endpoint,
     pub request_id: &'a str,
     pub body: &'a serde_json::Map<String, Value>,
+    /// The bytes `body` was read from, when it is their parse unchanged (see `BuildCtx::raw`).
+    pub raw: Option<&'a [u8]>,
     pub client_headers: &'a HeaderMap,
     pub stream: bool,
     /// Ask the upstream for the usage chunk (the client did not).
@@ -263,7 +265,7 @@ impl Call<'_> {
         Envelope {
             id: format!("chatcmpl-{}", self.request_id),
             model: spec.model.to_string(),
-            created: jiff::Timestamp::now().as_second(),
+            created: crate::units::now_ms().div_euclid(1000),
             endpoint: self.endpoint,
             usage_nulls: !self.add_include_usage,
         }
@@ -308,6 +310,7 @@ impl Call<'_> {
                     base_url: &backend.base_url,
                     endpoint: self.endpoint,
                     body: self.body,
+                    raw: self.raw,
                     model: spec.model,
                     max_output_tokens: spec.max_output_tokens,
                     output_cap_field: spec.output_cap_field,

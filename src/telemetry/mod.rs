@@ -163,7 +163,7 @@ fn record(entry: &Entry, overhead: bool, today: UsageWindows, alerts: &AlertsCfg
     {
         c.increment(1);
     }
-    let now = jiff::Timestamp::now().as_millisecond();
+    let now = crate::units::now_ms();
     let minute = now.div_euclid(60_000);
     let mut upstream_ms = 0i64;
     for a in &rec.attempts {

@@ -176,7 +176,7 @@ impl<'a> Ctx<'a> {
         *self.meta = Meta {
             model: est.model.clone(),
             id: self.rec.request_id.to_string(),
-            created: jiff::Timestamp::now().as_second(),
+            created: crate::units::now_ms().div_euclid(1000),
             input_estimate: est.input_tokens,
             stream: est.stream,
             local: false,
@@ -240,6 +240,7 @@ impl<'a> Ctx<'a> {
             endpoint,
             request_id: &ctx.request_id,
             body: &body,
+            raw: (self.inb.dialect == Dialect::OpenAi).then_some(&bytes[..]),
             client_headers: headers,
             stream: est.stream,
             add_include_usage: adds_include_usage(endpoint, &est),
