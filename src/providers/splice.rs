@@ -149,14 +149,16 @@ fn ws(b: &[u8], mut i: usize) -> usize {
     i
 }
 
-/// The index of the quote that ends the string whose text starts at `i`.
+/// The index of the quote that ends the string whose text starts at `i` (`None` at a control
+/// character: not JSON, left to serde_json).
 fn string_end(b: &[u8], mut i: usize) -> Option<usize> {
     loop {
-        i += memchr::memchr2(b'"', b'\\', b.get(i..)?)?;
-        if b[i] == b'"' {
-            return Some(i);
+        i += super::scan::special_at(b.get(i..)?)?;
+        match b[i] {
+            b'"' => return Some(i),
+            b'\\' => i += 2, // the escaped byte (a `\uXXXX`'s digits hold no quote)
+            _ => return None,
         }
-        i += 2; // the escaped byte (a `\uXXXX`'s digits hold no quote)
     }
 }
 
