@@ -14,8 +14,9 @@ pub struct PartInfo {
     pub hard: [Option<u64>; 3],
     /// Index (into `Policy::bounds`) of the bound that set `hard` per dimension.
     pub hard_src: [Option<usize>; 3],
-    /// Every bound attached to this counter (soft limits and alerts are read from them).
-    pub bounds: Vec<usize>,
+    /// Every bound attached to this counter (soft limits and alerts are read from them):
+    /// one or two as a rule, kept inline (no allocation per counter per request).
+    pub bounds: smallvec::SmallVec<[usize; 2]>,
 }
 
 impl PartInfo {
@@ -62,7 +63,7 @@ fn add(
                 key,
                 hard: [None; 3],
                 hard_src: [None; 3],
-                bounds: Vec::new(),
+                bounds: smallvec::SmallVec::new(),
             });
             let last = parts.len() - 1;
             &mut parts[last]
