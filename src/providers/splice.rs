@@ -233,12 +233,31 @@ fn members_of_parsed(raw: &[u8]) -> Option<Vec<Member<'_>>> {
     }
 }
 
+/// An object being written: each member's separator and key, then its value.
+struct Obj {
+    out: Vec<u8>,
+    first: bool,
+}
+
+impl Obj {
+    /// Starts a member: the buffer to write its value into.
+    fn member(&mut self, k: &[u8]) -> &mut Vec<u8> {
+        if !std::mem::replace(&mut self.first, false) {
+            self.out.push(b',');
+        }
+        push_key(&mut self.out, k);
+        &mut self.out
+    }
+}
+
 fn write(members: &[Member<'_>], len: usize, edits: &[Edit<'_>]) -> Vec<u8> {
     let last = last_of_key(members);
-    let mut out = Vec::with_capacity(len + 64);
-    out.push(b'{');
+    let mut o = Obj {
+        out: Vec::with_capacity(len + 64),
+        first: true,
+    };
+    o.out.push(b'{');
     let mut done = 0u64; // bit i: edit i met its member
-    let mut first = true;
     for (i, &(k, v)) in members.iter().enumerate() {
         if !is_last(members, last.as_deref(), i) {
             continue; // a key sent again later: its last value is the one read
@@ -247,48 +266,33 @@ fn write(members: &[Member<'_>], len: usize, edits: &[Edit<'_>]) -> Vec<u8> {
         if let Some(i) = edit {
             done |= 1 << i;
         }
-        let edit = edit.map(|i| edits[i]);
-        if let Some(Edit::Remove(_)) = edit {
-            continue;
-        }
-        if !first {
-            out.push(b',');
-        }
-        first = false;
-        push_key(&mut out, k);
-        match edit {
-            None | Some(Edit::Remove(_)) => out.extend_from_slice(v),
-            Some(Edit::Set(_, nv)) => push_value(&mut out, nv),
+        match edit.map(|i| edits[i]) {
+            Some(Edit::Remove(_)) => {}
+            None => o.member(k).extend_from_slice(v),
+            Some(Edit::Set(_, nv)) => push_value(o.member(k), nv),
             Some(Edit::SetIn(_, inner, nv)) => {
-                let inner_edit = [Edit::Set(inner, nv)];
-                match splice(v, &inner_edit) {
+                let out = o.member(k);
+                match splice(v, &[Edit::Set(inner, nv)]) {
                     Ok(obj) => out.extend_from_slice(&obj),
                     // Not an object: replaced by one holding the member alone.
-                    Err(_) => push_object(&mut out, inner, nv),
+                    Err(_) => push_object(out, inner, nv),
                 }
             }
         }
     }
+    // Edits whose member was missing: appended.
     for (i, e) in edits.iter().enumerate() {
         if done & (1 << i) != 0 {
             continue;
         }
-        let nv = match *e {
-            Edit::Remove(_) => continue,
-            Edit::Set(_, nv) | Edit::SetIn(_, _, nv) => nv,
-        };
-        if !first {
-            out.push(b',');
-        }
-        first = false;
-        push_key(&mut out, e.key().as_bytes());
         match *e {
-            Edit::SetIn(_, inner, _) => push_object(&mut out, inner, nv),
-            _ => push_value(&mut out, nv),
+            Edit::Remove(_) => {}
+            Edit::Set(k, nv) => push_value(o.member(k.as_bytes()), nv),
+            Edit::SetIn(k, inner, nv) => push_object(o.member(k.as_bytes()), inner, nv),
         }
     }
-    out.push(b'}');
-    out
+    o.out.push(b'}');
+    o.out
 }
 
 fn push_object(out: &mut Vec<u8>, k: &str, v: &Value) {
