@@ -4,10 +4,12 @@ use clap::Parser;
 use std::process::ExitCode;
 use tollgate::cli::{self, Cli, Command};
 
+mod alloc;
+
 // mimalloc instead of glibc malloc: the request path allocates a few dozen times per request
-// (see docs/performance.md for what it buys).
+// (see docs/performance.md for what it buys, and src/alloc.rs for how it is called).
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::Mimalloc = alloc::Mimalloc;
 
 fn main() -> ExitCode {
     let args = Cli::parse();
