@@ -10,79 +10,86 @@ use crate::governor::{AttemptRecord, Record};
 use serde_json::ser::{CompactFormatter, Formatter};
 use std::io::{self, Write};
 
-/// A key as the line writes it: `"name":`.
+/// A key as the line writes it after another member: `,"name":` (the first member of an
+/// object drops the comma).
 macro_rules! k {
     ($name:literal) => {
-        concat!("\"", $name, "\":")
+        concat!(",\"", $name, "\":")
     };
 }
 
-/// Writes `e` as one JSON object (no newline).
-pub fn write(out: &mut impl Write, e: &Entry) -> io::Result<()> {
-    // Built in a buffer (small appends are cheap there) and handed to `out` in one write.
+/// Writes `e` as one JSON object, then `end` (a newline, or nothing).
+pub fn write(out: &mut impl Write, e: &Entry, end: &[u8]) -> io::Result<()> {
+    // Built in a buffer and handed to `out` in one write: the line is ~60 small appends,
+    // each a few inlined moves into a `Vec` (a key's length is known where it is written).
     let mut buf = Vec::with_capacity(1536);
     fill(&mut buf, e)?;
+    buf.extend_from_slice(end);
     out.write_all(&buf)
 }
 
 fn fill(out: &mut Vec<u8>, e: &Entry) -> io::Result<()> {
     let mut w = Line { out, first: true };
-    w.out.write_all(b"{")?;
-    w.text(k!("ts"), &e.ts)?;
-    w.text(k!("endpoint"), e.endpoint)?;
-    w.text(k!("api"), e.api)?;
+    w.out.push(b'{');
+    w.text(k!("ts"), &e.ts);
+    w.text(k!("endpoint"), e.endpoint);
+    w.text(k!("api"), e.api);
     w.f64(k!("latency_ms"), e.latency_ms)?;
     record(&mut w, &e.record)?;
-    w.out.write_all(b"}")
+    w.out.push(b'}');
+    Ok(())
 }
 
-fn record<W: Write>(w: &mut Line<'_, W>, r: &Record) -> io::Result<()> {
-    w.raw(k!("budget_state"), r.budget_state.as_str())?;
-    w.raw(k!("quota_state"), r.quota_state.as_str())?;
-    w.raw(k!("circuit_state"), r.circuit_state.as_str())?;
-    w.raw(k!("retry_state"), r.retry_state.as_str())?;
-    w.raw(k!("usage_evidence_state"), r.usage_evidence_state.as_str())?;
-    w.raw(k!("fallback_state"), r.fallback_state.as_str())?;
-    w.raw(k!("final_action"), r.final_action.as_str())?;
-    w.raw(k!("reason_class"), r.reason_class.as_str())?;
-    w.int(k!("http_status"), u64::from(r.http_status))?;
+fn record(w: &mut Line<'_>, r: &Record) -> io::Result<()> {
+    w.raw(k!("budget_state"), r.budget_state.as_str());
+    w.raw(k!("quota_state"), r.quota_state.as_str());
+    w.raw(k!("circuit_state"), r.circuit_state.as_str());
+    w.raw(k!("retry_state"), r.retry_state.as_str());
+    w.raw(k!("usage_evidence_state"), r.usage_evidence_state.as_str());
+    w.raw(k!("fallback_state"), r.fallback_state.as_str());
+    w.raw(k!("final_action"), r.final_action.as_str());
+    w.raw(k!("reason_class"), r.reason_class.as_str());
+    w.int(k!("http_status"), u64::from(r.http_status));
     if let Some(v) = r.retry_after {
-        w.int(k!("retry_after"), v)?;
+        w.int(k!("retry_after"), v);
     }
-    w.array(k!("calls"), &r.calls, |out, c| string(out, c))?;
+    w.array(k!("calls"), &r.calls, |out, c| {
+        string(out, c);
+        Ok(())
+    })?;
     if let Some(v) = r.upstream_max_tokens {
-        w.int(k!("upstream_max_tokens"), v)?;
+        w.int(k!("upstream_max_tokens"), v);
     }
-    w.text(k!("policy_version"), &r.policy_version)?;
-    w.text(k!("request_id"), &r.request_id)?;
-    w.text(k!("job_id"), &r.job_id)?;
-    w.text(k!("consumer_id"), &r.consumer_id)?;
+    w.text(k!("policy_version"), &r.policy_version);
+    w.text(k!("request_id"), &r.request_id);
+    w.text(k!("job_id"), &r.job_id);
+    w.text(k!("consumer_id"), &r.consumer_id);
     if let Some(t) = &r.team {
-        w.text(k!("team"), t)?;
+        w.text(k!("team"), t);
     }
-    w.text(k!("route"), &r.route)?;
-    w.text(k!("backend"), &r.backend)?;
+    w.text(k!("route"), &r.route);
+    w.text(k!("backend"), &r.backend);
     if let Some(m) = &r.upstream_model {
-        w.text(k!("upstream_model"), m)?;
+        w.text(k!("upstream_model"), m);
     }
-    w.int(k!("estimated_input_tokens"), r.estimated_input_tokens)?;
-    w.int(k!("requested_output_tokens"), r.requested_output_tokens)?;
-    w.int(k!("worst_case_tokens"), r.worst_case_tokens)?;
+    w.int(k!("estimated_input_tokens"), r.estimated_input_tokens);
+    w.int(k!("requested_output_tokens"), r.requested_output_tokens);
+    w.int(k!("worst_case_tokens"), r.worst_case_tokens);
     w.f64(k!("worst_case_usd"), r.worst_case_usd)?;
-    w.int(k!("actual_input_tokens"), r.actual_input_tokens)?;
-    w.int(k!("actual_output_tokens"), r.actual_output_tokens)?;
+    w.int(k!("actual_input_tokens"), r.actual_input_tokens);
+    w.int(k!("actual_output_tokens"), r.actual_output_tokens);
     w.int(
         k!("actual_cached_input_tokens"),
         r.actual_cached_input_tokens,
-    )?;
-    w.int(k!("actual_cache_write_tokens"), r.actual_cache_write_tokens)?;
+    );
+    w.int(k!("actual_cache_write_tokens"), r.actual_cache_write_tokens);
     w.f64(k!("cost_usd"), r.cost_usd)?;
-    w.int(k!("job_attempts"), u64::from(r.job_attempts))?;
-    w.int(k!("retry_budget"), u64::from(r.retry_budget))?;
-    w.int(k!("job_fallbacks"), u64::from(r.job_fallbacks))?;
+    w.int(k!("job_attempts"), u64::from(r.job_attempts));
+    w.int(k!("retry_budget"), u64::from(r.retry_budget));
+    w.int(k!("job_fallbacks"), u64::from(r.job_fallbacks));
     w.f64(k!("amplification"), r.amplification)?;
     if let Some(v) = r.remaining_tokens {
-        w.int(k!("remaining_tokens"), v)?;
+        w.int(k!("remaining_tokens"), v);
     }
     w.array(k!("attempts"), &r.attempts, |out, a| attempt(out, a))?;
     w.serde(k!("refusals"), &r.refusals)?;
@@ -93,87 +100,98 @@ fn record<W: Write>(w: &mut Line<'_, W>, r: &Record) -> io::Result<()> {
         w.serde(k!("alerts"), &r.alerts)?;
     }
     if let Some(e) = &r.error {
-        w.text(k!("error"), e)?;
+        w.text(k!("error"), e);
     }
     if r.usage_over_reservation {
-        w.key(k!("usage_over_reservation"))?;
-        w.out.write_all(b"true")?;
+        w.key(k!("usage_over_reservation"));
+        w.out.extend_from_slice(b"true");
     }
     if r.client_disconnected {
-        w.key(k!("client_disconnected"))?;
-        w.out.write_all(b"true")?;
+        w.key(k!("client_disconnected"));
+        w.out.extend_from_slice(b"true");
     }
     Ok(())
 }
 
-fn attempt(out: &mut impl Write, a: &AttemptRecord) -> io::Result<()> {
+fn attempt(out: &mut Vec<u8>, a: &AttemptRecord) -> io::Result<()> {
     let mut w = Line { out, first: true };
-    w.out.write_all(b"{")?;
-    w.text(k!("backend"), &a.backend)?;
-    w.text(k!("model"), &a.model)?;
-    w.int(k!("attempt"), u64::from(a.attempt))?;
-    w.key(k!("probe"))?;
-    w.out.write_all(if a.probe { b"true" } else { b"false" })?;
-    w.int(k!("worst_tokens"), a.worst_tokens)?;
+    w.out.push(b'{');
+    w.text(k!("backend"), &a.backend);
+    w.text(k!("model"), &a.model);
+    w.int(k!("attempt"), u64::from(a.attempt));
+    w.key(k!("probe"));
+    w.out
+        .extend_from_slice(if a.probe { b"true" } else { b"false" });
+    w.int(k!("worst_tokens"), a.worst_tokens);
     w.f64(k!("worst_cost_usd"), a.worst_cost_usd)?;
-    w.int(k!("max_output_tokens"), a.max_output_tokens)?;
-    w.text(k!("outcome"), a.outcome)?;
+    w.int(k!("max_output_tokens"), a.max_output_tokens);
+    w.text(k!("outcome"), a.outcome);
     if let Some(s) = a.status {
-        w.int(k!("status"), u64::from(s))?;
+        w.int(k!("status"), u64::from(s));
     }
     if let Some(v) = a.retry_after_ms {
-        w.int(k!("retry_after_ms"), v)?;
+        w.int(k!("retry_after_ms"), v);
     }
-    w.raw(k!("circuit_before"), a.circuit_before.as_str())?;
-    w.raw(k!("circuit_after"), a.circuit_after.as_str())?;
-    w.int(k!("latency_ms"), a.latency_ms)?;
-    w.int(k!("waited_ms"), a.waited_ms)?;
-    w.out.write_all(b"}")
+    w.raw(k!("circuit_before"), a.circuit_before.as_str());
+    w.raw(k!("circuit_after"), a.circuit_after.as_str());
+    w.int(k!("latency_ms"), a.latency_ms);
+    w.int(k!("waited_ms"), a.waited_ms);
+    w.out.push(b'}');
+    Ok(())
 }
 
-/// An object being written: its members' separators.
-struct Line<'a, W: Write> {
-    out: &'a mut W,
+/// An object being written into the line's buffer: its members' separators. Appends to a
+/// `Vec` cannot fail; only `serde_json`'s parts return errors.
+struct Line<'a> {
+    out: &'a mut Vec<u8>,
     first: bool,
 }
 
-impl<W: Write> Line<'_, W> {
-    /// `"k":` after a comma but first; `k` is the key already quoted (`k!`: a literal of this
-    /// file, nothing to escape), so it is one copy of a length known where it is inlined.
+impl Line<'_> {
+    /// `,"k":`, without the comma for the first member; `k` is the key already quoted (`k!`:
+    /// a literal of this file, nothing to escape), so it is a copy of a length known where it
+    /// is inlined: a few moves, no `memcpy` call.
     #[inline(always)]
-    fn key(&mut self, k: &'static str) -> io::Result<()> {
-        if !self.first {
-            self.out.write_all(b",")?;
+    fn key(&mut self, k: &'static str) {
+        let k = k.as_bytes();
+        if self.first {
+            self.first = false;
+            self.out.extend_from_slice(&k[1..]);
+        } else {
+            self.out.extend_from_slice(k);
         }
-        self.first = false;
-        self.out.write_all(k.as_bytes())
     }
 
     /// A closed-set value (an upper-case state name): written as it is.
-    fn raw(&mut self, k: &'static str, v: &'static str) -> io::Result<()> {
-        self.key(k)?;
-        self.out.write_all(b"\"")?;
-        self.out.write_all(v.as_bytes())?;
-        self.out.write_all(b"\"")
+    #[inline(always)]
+    fn raw(&mut self, k: &'static str, v: &'static str) {
+        self.key(k);
+        self.out.push(b'"');
+        self.out.extend_from_slice(v.as_bytes());
+        self.out.push(b'"');
     }
 
-    fn text(&mut self, k: &'static str, v: &str) -> io::Result<()> {
-        self.key(k)?;
-        string(self.out, v)
+    #[inline(always)]
+    fn text(&mut self, k: &'static str, v: &str) {
+        self.key(k);
+        string(self.out, v);
     }
 
-    fn int(&mut self, k: &'static str, v: impl itoa::Integer) -> io::Result<()> {
-        self.key(k)?;
-        self.out.write_all(itoa::Buffer::new().format(v).as_bytes())
+    #[inline(always)]
+    fn int(&mut self, k: &'static str, v: impl itoa::Integer) {
+        self.key(k);
+        self.out
+            .extend_from_slice(itoa::Buffer::new().format(v).as_bytes());
     }
 
     /// As `serde_json` writes an `f64`: shortest round-trip digits, `null` when not finite.
     fn f64(&mut self, k: &'static str, v: f64) -> io::Result<()> {
-        self.key(k)?;
+        self.key(k);
         if v.is_finite() {
             CompactFormatter.write_f64(self.out, v)
         } else {
-            self.out.write_all(b"null")
+            self.out.extend_from_slice(b"null");
+            Ok(())
         }
     }
 
@@ -182,37 +200,41 @@ impl<W: Write> Line<'_, W> {
         &mut self,
         k: &'static str,
         items: &[T],
-        item: impl Fn(&mut W, &T) -> io::Result<()>,
+        item: impl Fn(&mut Vec<u8>, &T) -> io::Result<()>,
     ) -> io::Result<()> {
-        self.key(k)?;
-        self.out.write_all(b"[")?;
+        self.key(k);
+        self.out.push(b'[');
         for (i, x) in items.iter().enumerate() {
             if i > 0 {
-                self.out.write_all(b",")?;
+                self.out.push(b',');
             }
             item(self.out, x)?;
         }
-        self.out.write_all(b"]")
+        self.out.push(b']');
+        Ok(())
     }
 
     fn serde(&mut self, k: &'static str, v: &impl serde::Serialize) -> io::Result<()> {
-        self.key(k)?;
+        self.key(k);
         serde_json::to_writer(&mut *self.out, v).map_err(io::Error::other)
     }
 }
 
 /// A JSON string: copied whole when nothing in it needs escaping (one branch-free pass the
-/// compiler vectorises), else escaped by `serde_json`.
-fn string(out: &mut impl Write, s: &str) -> io::Result<()> {
+/// compiler vectorises), else escaped as `serde_json` escapes it.
+fn string(out: &mut Vec<u8>, s: &str) {
     let needs = s.bytes().fold(false, |acc, b| {
         acc | (b < 0x20) | (b == b'"') | (b == b'\\')
     });
     if needs {
-        return serde_json::to_writer(out, s).map_err(io::Error::other);
+        // Writing into a `Vec` cannot fail, and a `&str` always serialises.
+        let _ = serde_json::to_writer(out, s);
+        return;
     }
-    out.write_all(b"\"")?;
-    out.write_all(s.as_bytes())?;
-    out.write_all(b"\"")
+    out.reserve(s.len() + 2);
+    out.push(b'"');
+    out.extend_from_slice(s.as_bytes());
+    out.push(b'"');
 }
 
 #[cfg(test)]
@@ -225,7 +247,7 @@ mod tests {
 
     fn by_hand(e: &Entry) -> String {
         let mut v = Vec::new();
-        write(&mut v, e).unwrap();
+        write(&mut v, e, b"").unwrap();
         String::from_utf8(v).unwrap()
     }
 
