@@ -91,7 +91,7 @@ fn record(w: &mut Line<'_>, r: &Record) -> io::Result<()> {
     if let Some(v) = r.remaining_tokens {
         w.int(k!("remaining_tokens"), v);
     }
-    w.array(k!("attempts"), &r.attempts, |out, a| attempt(out, a))?;
+    w.array(k!("attempts"), &r.attempts, attempt)?;
     w.serde(k!("refusals"), &r.refusals)?;
     if let Some(l) = &r.limit {
         w.serde(k!("limit"), l)?;
