@@ -149,7 +149,7 @@ impl Audit {
 }
 
 fn write_one(out: &mut impl Write, e: &Entry) {
-    let res = line::write(&mut *out, e, b"\n");
+    let res = line::write(&mut *out, e);
     if let Err(err) = res {
         tracing::error!(%err, "audit write failed");
     }
