@@ -153,7 +153,6 @@ struct Request<'a, U, C> {
     up: &'a U,
     clock: &'a C,
     windows: WindowSet,
-    job_key: Arc<str>,
     job: Arc<JobLedger>,
     /// The request-wide counters (request, job, consumer, team, global).
     parts: Vec<PartInfo>,
@@ -249,18 +248,25 @@ impl Governor {
         up: &U,
         clock: &C,
     ) -> Outcome<U::Payload> {
-        let (req, mut walk) = Request::open(self, policy, route, ctx, up, clock);
+        let (mut req, mut walk) = Request::open(self, policy, route, ctx, up, clock);
         let mut ending = Ending::AllTried;
         for (index, chain) in route.chain.iter().enumerate() {
             let Some(entry) = req.admit_entry(&mut walk, index, chain) else {
                 continue;
             };
             match req.try_entry(&mut walk, &entry).await {
-                Tried::Answered(served) => {
+                Tried::Answered(mut served) => {
+                    if let Served::Upstream { pending, .. } = &mut served {
+                        // The counters the reservation holds: the request's, then the
+                        // entry's (the order `one_try` reserved them in), moved, not cloned.
+                        let mut parts = std::mem::take(&mut req.parts);
+                        parts.extend(entry.parts);
+                        pending.parts = parts;
+                    }
                     return Outcome {
                         record: walk.rec,
                         served,
-                    }
+                    };
                 }
                 Tried::NextEntry => {}
                 Tried::Halt(halt) => {
@@ -270,12 +276,6 @@ impl Governor {
             }
         }
         req.conclude(walk, ending)
-    }
-
-    fn end_job(&self, ctx: &RequestCtx, job_key: &Arc<str>) {
-        if ctx.ephemeral_job() {
-            self.ledger.forget_job(job_key);
-        }
     }
 }
 
@@ -308,9 +308,17 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
             job_key: &job_key,
             consumer: &ctx.consumer,
             team: ctx.team.as_ref(),
+            ephemeral_job: ctx.ephemeral_job(),
         };
         let parts = plan::request_parts(policy, &windows, &gov.ledger, &who);
-        let job = gov.ledger.job(&job_key, start);
+        // An undeclared job is this request alone: its ledger (and its job-scoped counter,
+        // `plan::request_parts`) are its own, kept out of the shared maps: no look-up, insert
+        // or removal per request, and nothing another request could share.
+        let job = if ctx.ephemeral_job() {
+            gov.ledger.ephemeral_job(start)
+        } else {
+            gov.ledger.job(&job_key, start)
+        };
         let n = u64::from(ctx.n.max(1));
 
         let primary = &policy.backends[route.chain[0].backend];
@@ -333,7 +341,6 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
             up,
             clock,
             windows,
-            job_key,
             job,
             parts,
             n,
@@ -686,10 +693,10 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
         self.count(walk);
         let pending = Pending {
             reservation,
-            parts: ask.all.into_iter().cloned().collect(),
+            // Filled by `govern`, which owns the parts `ask.all` borrows.
+            parts: Vec::new(),
             backend_index: entry.chain.backend,
             price: entry.price,
-            forget_job: self.ctx.ephemeral_job().then(|| self.job_key.clone()),
         };
         Served::Upstream { payload, pending }
     }
@@ -719,7 +726,6 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
         rec.reason_class.note(ReasonClass::UpstreamFailure);
         rec.http_status = status;
         self.count(walk);
-        self.gov.end_job(self.ctx, &self.job_key);
         Served::Passthrough { payload }
     }
 
@@ -842,7 +848,6 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
         walk.rec.token_limits = limits::token_limits(self.policy, &self.windows, &req_refs);
         walk.rec.remaining_tokens = limits::tightest(&walk.rec.token_limits).map(|l| l.remaining);
         self.count(&mut walk);
-        self.gov.end_job(self.ctx, &self.job_key);
         if !walk.any_eligible && walk.rec.reason_class == ReasonClass::Ok {
             walk.rec.reason_class = ReasonClass::ModelIneligible;
         }

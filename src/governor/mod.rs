@@ -67,8 +67,6 @@ pub struct Pending {
     backend_index: usize,
     /// The price of the chain entry that served (its own, else its backend's).
     price: crate::policy::Price,
-    /// The job to forget once settled (an undeclared, one-request job).
-    forget_job: Option<Arc<str>>,
 }
 
 impl Pending {

@@ -41,10 +41,15 @@ pub struct Who<'a> {
     pub consumer: &'a Arc<str>,
     /// `None`: team-scoped bounds do not apply (no key, or a key without a team).
     pub team: Option<&'a Arc<str>>,
+    /// The job is this request alone (the app declared none): its job-scoped counter lives
+    /// with the request, out of the ledger's map, like a request-scoped one.
+    pub ephemeral_job: bool,
 }
 
+/// The id of the global counters: one shared string (a clone is a count, not an allocation).
 fn global_id() -> Arc<str> {
-    Arc::from("global")
+    static ID: std::sync::OnceLock<Arc<str>> = std::sync::OnceLock::new();
+    ID.get_or_init(|| Arc::from("global")).clone()
 }
 
 fn add(
@@ -126,8 +131,9 @@ pub fn request_parts(
             continue;
         }
         let (key, expires) = key_for(b, id, windows);
-        if b.scope == Scope::Request {
-            // A request's counter lives only as long as the request: keep it out of the map.
+        if b.scope == Scope::Request || (b.scope == Scope::Job && who.ephemeral_job) {
+            // A request's counter (an undeclared job's too) lives only as long as the
+            // request: keep it out of the map.
             add(&mut parts, idx, b, key, || Arc::new(Counter::new(i64::MAX)));
         } else {
             add(&mut parts, idx, b, key.clone(), || {

@@ -21,7 +21,6 @@ impl Governor {
             parts,
             backend_index: _,
             price,
-            forget_job,
         } = pending;
         let actual = Amount {
             tokens: usage.input_tokens.saturating_add(usage.output_tokens),
@@ -80,9 +79,6 @@ impl Governor {
                     }
                 }
             }
-        }
-        if let Some(job) = forget_job {
-            self.ledger.forget_job(&job);
         }
         if soft {
             if rec.budget_state == BudgetState::Ok {

@@ -30,7 +30,18 @@ pub const JOB_KEY_SEP: char = '#';
 /// The ledger key of a job: jobs belong to (consumer, job), so two consumers naming the same
 /// job id never share an attempt budget or a job-scoped counter.
 pub fn job_key(consumer: &str, job_id: &str) -> Arc<str> {
-    let mut s = String::with_capacity(consumer.len() + 1 + job_id.len());
+    // Put together on the stack when short (the usual case): one allocation, the `Arc`'s.
+    let mut buf = [0u8; 128];
+    let len = consumer.len() + 1 + job_id.len();
+    if let Some(b) = buf.get_mut(..len) {
+        b[..consumer.len()].copy_from_slice(consumer.as_bytes());
+        b[consumer.len()] = JOB_KEY_SEP as u8;
+        b[consumer.len() + 1..].copy_from_slice(job_id.as_bytes());
+        if let Ok(s) = std::str::from_utf8(b) {
+            return Arc::from(s);
+        }
+    }
+    let mut s = String::with_capacity(len);
     s.push_str(consumer);
     s.push(JOB_KEY_SEP);
     s.push_str(job_id);
@@ -232,6 +243,12 @@ impl Ledger {
             id: id.clone(),
             window: None,
         });
+    }
+
+    /// A ledger for a job that is only this one request (one the app did not declare): its
+    /// own, never in the map, so nothing is left to forget when the request ends.
+    pub fn ephemeral_job(&self, now: Millis) -> Arc<JobLedger> {
+        Arc::new(JobLedger::new(0, 0, now))
     }
 
     /// Visits every counter in place (persistence scans). Not for the request path: it

@@ -1248,3 +1248,19 @@ fn mirroring_shared_totals_keeps_local_reservations_counted() {
     assert_eq!(c.committed(), amt(12, 1, 2));
     assert_eq!(c.reserved(), Amount::ZERO);
 }
+
+#[test]
+fn job_keys_join_consumer_and_job_at_every_length() {
+    for (c, j) in [
+        ("", ""),
+        ("team-a", "job-1"),
+        ("ünï", "çødé"),
+        (&*"c".repeat(63), &*"j".repeat(64)),
+        (&*"c".repeat(64), &*"j".repeat(64)),
+        (&*"c".repeat(500), "j"),
+    ] {
+        let k = crate::ledger::job_key(c, j);
+        assert_eq!(&*k, format!("{c}#{j}"));
+        assert_eq!(crate::ledger::job_of_key(&k), j);
+    }
+}
