@@ -150,3 +150,118 @@ fn attempt_outcomes_name_the_audited_strings() {
         assert_eq!(AttemptOutcome::Skipped(why).as_str(), s);
     }
 }
+
+/// Undeclared jobs (the job id is the request id): the job's ledger and job-scoped counter
+/// live with the request, so the job bound still holds within it, the shared maps never see
+/// it, and a declared job whose id another request takes as its request id is not shared.
+mod undeclared_jobs {
+    use crate::governor::upstream::{CallResult, CallSpec, Clock, Upstream};
+    use crate::governor::Usage;
+    use crate::governor::{FinalAction, Governor, RequestCtx, Served};
+    use crate::ledger::Ledger;
+    use crate::policy::{Backend, Policy};
+    use crate::units::Scope;
+    use std::future::Future;
+    use std::sync::Arc;
+
+    struct Ok200;
+    impl Upstream for Ok200 {
+        type Payload = ();
+        fn eligible(&self, _i: usize, _b: &Backend) -> bool {
+            true
+        }
+        fn call(&self, _s: CallSpec<'_>) -> impl Future<Output = CallResult<()>> + Send {
+            std::future::ready(CallResult::Served(()))
+        }
+    }
+
+    struct At(i64);
+    impl Clock for At {
+        fn now_ms(&self) -> i64 {
+            self.0
+        }
+        fn sleep_ms(&self, _ms: u64) -> impl Future<Output = ()> + Send {
+            std::future::ready(())
+        }
+    }
+
+    fn policy() -> Policy {
+        crate::policy::from_str(
+            "version: j-1
+backends: [{id: primary, kind: openai, base_url: 'http://127.0.0.1:9/v1'}]
+routes: [{model: chat, chain: [{backend: primary, model: small}]}]
+budgets:
+  - {name: per-job, scope: job, hard_tokens: 100}
+",
+            "j.yaml",
+        )
+        .unwrap()
+    }
+
+    fn ctx(request_id: &str, job_id: &str, max_output: u64) -> RequestCtx {
+        RequestCtx {
+            request_id: Arc::from(request_id),
+            job_id: Arc::from(job_id),
+            consumer: Arc::from("alice"),
+            team: None,
+            input_tokens: 10,
+            max_output_tokens: Some(max_output),
+            n: 1,
+            static_ok: false,
+        }
+    }
+
+    /// Governs and settles one request with 10 tokens in and 20 out.
+    async fn call(g: &Governor, p: &Policy, c: &RequestCtx) -> FinalAction {
+        let route = p.route("chat").unwrap().clone();
+        let out = g.govern(p, &route, c, &Ok200, &At(1_800_000_000_000)).await;
+        let action = out.record.final_action;
+        if let Served::Upstream { pending, .. } = out.served {
+            let mut rec = out.record;
+            g.settle(
+                p,
+                &mut rec,
+                pending,
+                Usage::new(10, 20),
+                crate::governor::UsageEvidence::Actual,
+            );
+        }
+        action
+    }
+
+    fn job_counters(g: &Governor) -> Vec<(Arc<str>, u64)> {
+        g.ledger
+            .snapshot()
+            .into_iter()
+            .filter(|(k, _, _)| k.scope == Scope::Job)
+            .map(|(k, committed, _)| (k.id, committed.tokens))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn the_job_bound_holds_within_the_request_and_nothing_is_kept() {
+        let (g, p) = (Governor::new(Arc::new(Ledger::new())), policy());
+        // Worst case 10 + 200 does not fit the job's 100 tokens.
+        assert_ne!(
+            call(&g, &p, &ctx("r1", "r1", 200)).await,
+            FinalAction::Allow
+        );
+        assert_eq!(call(&g, &p, &ctx("r2", "r2", 50)).await, FinalAction::Allow);
+        assert_eq!(g.ledger.job_count(), 0);
+        assert!(job_counters(&g).is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_request_id_naming_a_declared_job_does_not_share_it() {
+        let (g, p) = (Governor::new(Arc::new(Ledger::new())), policy());
+        // A declared job spends 30 of its 100 tokens.
+        assert_eq!(call(&g, &p, &ctx("r1", "j1", 50)).await, FinalAction::Allow);
+        let declared = job_counters(&g);
+        assert_eq!(declared.len(), 1);
+        assert_eq!(declared[0].1, 30);
+        // Another request whose own id is "j1" and which declares no job: its job is itself.
+        assert_eq!(call(&g, &p, &ctx("j1", "j1", 50)).await, FinalAction::Allow);
+        assert_eq!(job_counters(&g), declared, "the declared job is untouched");
+        assert_eq!(g.ledger.job_count(), 1);
+    }
+}
