@@ -240,7 +240,7 @@ fn failure(
     class: FailureClass,
     status: Option<u16>,
     retry_after_ms: Option<i64>,
-) -> CallResult<UpstreamResponse> {
+) -> CallResult<Box<UpstreamResponse>> {
     CallResult::Failed(Failure {
         class,
         status,
@@ -343,7 +343,7 @@ impl Call<'_> {
             .map_err(|e| Untranslatable(e.to_string()))
     }
 
-    async fn attempt(&self, spec: CallSpec<'_>) -> CallResult<UpstreamResponse> {
+    async fn attempt(&self, spec: CallSpec<'_>) -> CallResult<Box<UpstreamResponse>> {
         // Boxed: the span is held across the call, and every level of the request's future
         // above would carry its bytes even with export off.
         let span = crate::telemetry::otel::attempt(&spec);
@@ -358,7 +358,7 @@ impl Call<'_> {
         &self,
         spec: CallSpec<'_>,
         span: Option<&crate::telemetry::otel::Attempt>,
-    ) -> CallResult<UpstreamResponse> {
+    ) -> CallResult<Box<UpstreamResponse>> {
         let backend = spec.backend;
         let provider = providers::for_kind(backend.kind);
         let t = &backend.timeouts;
@@ -416,7 +416,7 @@ impl Call<'_> {
                             None => b,
                         };
                         CallResult::NotRetryable {
-                            payload: UpstreamResponse {
+                            payload: Box::new(UpstreamResponse {
                                 status,
                                 headers,
                                 body: UpBody::Buffered(body),
@@ -426,7 +426,7 @@ impl Call<'_> {
                                 usage: None,
                                 translate: None,
                                 permit: None,
-                            },
+                            }),
                             status: status.as_u16(),
                         }
                     }
@@ -471,7 +471,7 @@ impl Call<'_> {
             if translate.is_some() && wire == Wire::Translated {
                 retype(&mut headers, "text/event-stream");
             }
-            return CallResult::Served(UpstreamResponse {
+            return CallResult::Served(Box::new(UpstreamResponse {
                 status,
                 headers,
                 body: UpBody::Stream(incoming),
@@ -481,7 +481,7 @@ impl Call<'_> {
                 usage: None,
                 translate,
                 permit,
-            });
+            }));
         }
         let b = match read_body(incoming, deadline, MAX_UPSTREAM_BODY).await {
             Ok(b) => b,
@@ -503,7 +503,7 @@ impl Call<'_> {
                     return failure(FailureClass::Server, Some(status.as_u16()), None);
                 }
             };
-            return CallResult::Served(UpstreamResponse {
+            return CallResult::Served(Box::new(UpstreamResponse {
                 status,
                 headers,
                 body: UpBody::Buffered(b),
@@ -513,7 +513,7 @@ impl Call<'_> {
                 usage: Some(usage),
                 translate: None,
                 permit: None,
-            });
+            }));
         }
         let translated = if native {
             provider.response(&b, &self.envelope(&spec))
@@ -539,7 +539,7 @@ impl Call<'_> {
                 return failure(FailureClass::Server, Some(status.as_u16()), None);
             }
         };
-        CallResult::Served(UpstreamResponse {
+        CallResult::Served(Box::new(UpstreamResponse {
             status,
             headers,
             body: UpBody::Buffered(body),
@@ -549,7 +549,7 @@ impl Call<'_> {
             usage,
             translate: None,
             permit: None,
-        })
+        }))
     }
 }
 
@@ -582,7 +582,9 @@ async fn read_body(body: Incoming, deadline: Instant, limit: usize) -> Result<By
 }
 
 impl Upstream for Call<'_> {
-    type Payload = UpstreamResponse;
+    /// Boxed: the answer (~540 bytes) is handed up through every level of the attempt loop
+    /// and the handler, a copy at each; the box moves as a pointer.
+    type Payload = Box<UpstreamResponse>;
 
     fn eligible(&self, index: usize, backend: &Backend) -> bool {
         self.snap.eligible(index) && providers::for_kind(backend.kind).supports(self.endpoint)
@@ -591,7 +593,7 @@ impl Upstream for Call<'_> {
     fn call(
         &self,
         spec: CallSpec<'_>,
-    ) -> impl Future<Output = CallResult<UpstreamResponse>> + Send {
+    ) -> impl Future<Output = CallResult<Box<UpstreamResponse>>> + Send {
         self.attempt(spec)
     }
 }

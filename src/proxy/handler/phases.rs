@@ -212,7 +212,7 @@ impl<'a> Ctx<'a> {
         &mut self,
         ready: Ready<'a>,
         headers: &HeaderMap,
-    ) -> (Served<UpstreamResponse>, Estimate) {
+    ) -> (Served<Box<UpstreamResponse>>, Estimate) {
         let Ready {
             who,
             bytes,
@@ -259,7 +259,7 @@ impl<'a> Ctx<'a> {
     }
 
     /// Reconcile what the governor served: settle the call with its usage and answer.
-    fn reconcile(self, served: Served<UpstreamResponse>, est: &Estimate) -> Answer {
+    fn reconcile(self, served: Served<Box<UpstreamResponse>>, est: &Estimate) -> Answer {
         match served {
             Served::Upstream {
                 mut payload,
@@ -310,7 +310,7 @@ impl<'a> Ctx<'a> {
     /// redacted, recorded.
     fn buffered(
         mut self,
-        up: UpstreamResponse,
+        up: Box<UpstreamResponse>,
         b: Bytes,
         pending: Pending,
         est: &Estimate,
@@ -333,7 +333,7 @@ impl<'a> Ctx<'a> {
     /// it ends (see [`stream::metered`]).
     fn streamed(
         self,
-        up: UpstreamResponse,
+        up: Box<UpstreamResponse>,
         incoming: Incoming,
         pending: Pending,
         est: &Estimate,
