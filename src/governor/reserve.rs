@@ -122,9 +122,8 @@ mod tests {
     use super::super::*;
     use crate::ledger::shared::ReserveFuture;
     use crate::ledger::{DimRefusal, SharedHold, SharedPart, SharedReply, StoreUnavailable};
-    use crate::policy::{Backend, Policy};
+    use crate::policy::Policy;
     use crate::units::{Amount, Dim, Millis, Scope};
-    use std::future::Future;
     use std::sync::Mutex;
 
     #[derive(Debug, Clone, Copy)]
@@ -218,26 +217,7 @@ mod tests {
         }
     }
 
-    struct Ok200;
-    impl Upstream for Ok200 {
-        type Payload = ();
-        fn eligible(&self, _i: usize, _b: &Backend) -> bool {
-            true
-        }
-        fn call(&self, _s: CallSpec<'_>) -> impl Future<Output = CallResult<()>> + Send {
-            std::future::ready(CallResult::Served(()))
-        }
-    }
-
-    struct At(i64);
-    impl Clock for At {
-        fn now_ms(&self) -> i64 {
-            self.0
-        }
-        fn sleep_ms(&self, _ms: u64) -> impl Future<Output = ()> + Send {
-            std::future::ready(())
-        }
-    }
+    use super::super::tests::fakes::{At, Ok200};
 
     fn policy(on_unavailable: &str, request_hard: u64) -> Policy {
         crate::policy::from_str(

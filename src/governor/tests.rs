@@ -155,35 +155,13 @@ fn attempt_outcomes_name_the_audited_strings() {
 /// live with the request, so the job bound still holds within it, the shared maps never see
 /// it, and a declared job whose id another request takes as its request id is not shared.
 mod undeclared_jobs {
-    use crate::governor::upstream::{CallResult, CallSpec, Clock, Upstream};
+    use super::fakes::{At, Ok200};
     use crate::governor::Usage;
     use crate::governor::{FinalAction, Governor, RequestCtx, Served};
     use crate::ledger::Ledger;
-    use crate::policy::{Backend, Policy};
+    use crate::policy::Policy;
     use crate::units::Scope;
-    use std::future::Future;
     use std::sync::Arc;
-
-    struct Ok200;
-    impl Upstream for Ok200 {
-        type Payload = ();
-        fn eligible(&self, _i: usize, _b: &Backend) -> bool {
-            true
-        }
-        fn call(&self, _s: CallSpec<'_>) -> impl Future<Output = CallResult<()>> + Send {
-            std::future::ready(CallResult::Served(()))
-        }
-    }
-
-    struct At(i64);
-    impl Clock for At {
-        fn now_ms(&self) -> i64 {
-            self.0
-        }
-        fn sleep_ms(&self, _ms: u64) -> impl Future<Output = ()> + Send {
-            std::future::ready(())
-        }
-    }
 
     fn policy() -> Policy {
         crate::policy::from_str(
@@ -263,5 +241,35 @@ budgets:
         assert_eq!(call(&g, &p, &ctx("j1", "j1", 50)).await, FinalAction::Allow);
         assert_eq!(job_counters(&g), declared, "the declared job is untouched");
         assert_eq!(g.ledger.job_count(), 1);
+    }
+}
+
+/// An upstream and a clock for governor tests.
+pub(super) mod fakes {
+    use crate::governor::upstream::{CallResult, CallSpec, Clock, Upstream};
+    use crate::policy::Backend;
+    use std::future::Future;
+
+    /// Every call served at once.
+    pub struct Ok200;
+    impl Upstream for Ok200 {
+        type Payload = ();
+        fn eligible(&self, _i: usize, _b: &Backend) -> bool {
+            true
+        }
+        fn call(&self, _s: CallSpec<'_>) -> impl Future<Output = CallResult<()>> + Send {
+            std::future::ready(CallResult::Served(()))
+        }
+    }
+
+    /// A clock stopped at the given ms; sleeps return at once.
+    pub struct At(pub i64);
+    impl Clock for At {
+        fn now_ms(&self) -> i64 {
+            self.0
+        }
+        fn sleep_ms(&self, _ms: u64) -> impl Future<Output = ()> + Send {
+            std::future::ready(())
+        }
     }
 }
