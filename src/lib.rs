@@ -6,6 +6,18 @@
 //! clock. `layering.rs` checks the order.
 #![forbid(unsafe_code)]
 
+/// `Box::pin(future)` for a large future, built in its allocation: the room is allocated
+/// first and the future written into it, so its state (kilobytes for a request's future) is
+/// not laid out on the stack and then copied whole, as `Box::pin` of a value is; only the
+/// future's arguments are written.
+macro_rules! pin_in_place {
+    ($future:expr) => {{
+        let room = Box::new_uninit();
+        let placed = Box::write(room, $future);
+        Box::into_pin(placed)
+    }};
+}
+
 pub mod admin;
 pub mod audit;
 pub mod body;

@@ -30,7 +30,7 @@ impl Governor {
             return self.reserve_local(&reserve, amount);
         };
         // Boxed so that the local path's future does not carry the shared path's state.
-        Box::pin(self.reserve_shared(&**shared, policy, all, reserve, amount, now)).await
+        pin_in_place!(self.reserve_shared(&**shared, policy, all, reserve, amount, now)).await
     }
 
     /// The local ledger's lock-free reservation.

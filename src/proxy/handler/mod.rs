@@ -64,7 +64,7 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Bo
             // Boxed as a `Send` future: rustc cannot otherwise prove the dialect path's
             // future Send for every lifetime (a known limitation, rust-lang/rust#110338).
             let fut: std::pin::Pin<Box<dyn std::future::Future<Output = Response<Body>> + Send>> =
-                Box::pin(inbound(app, snap, inb, req, t0));
+                pin_in_place!(inbound(app, snap, inb, req, t0));
             return Ok(fut.await);
         }
         other => other,
@@ -261,9 +261,10 @@ async fn governed(
     let trace = crate::telemetry::otel::start(req.headers(), endpoint);
     let work = scope::run(gone.clone(), trace, async move {
         let mut meta = Meta::default();
-        // Boxed: the work future, moved into its own box below, stays small.
-        let fut: Pin<Box<dyn Future<Output = Response<Body>> + Send + '_>> = Box::pin(
-            phases::governed_here(&app, snap, endpoint, &inb, &mut meta, req, t0),
+        // Boxed: the work future, moved into its own box below, stays small (and the ~5 KB
+        // of this one are not copied into their box: `pin_in_place`).
+        let fut: Pin<Box<dyn Future<Output = Response<Body>> + Send + '_>> = pin_in_place!(
+            phases::governed_here(&app, snap, endpoint, &inb, &mut meta, req, t0)
         );
         let resp = fut.await;
         (resp, meta)
