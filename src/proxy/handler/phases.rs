@@ -49,20 +49,21 @@ pub(super) async fn governed_here(
     let ready = match cx.prepare(who, &mut parts.headers, body).await {
         Ok(Next::Govern(ready)) => ready,
         Ok(Next::Answered(resp)) => return resp,
-        Err(refusal) => return answer(cx.early(refusal)).await,
+        Err(refusal) => {
+            let (resp, wait) = cx.early(refusal);
+            super::wait(wait).await;
+            return resp;
+        }
     };
     let (served, est) = cx.govern(ready, &parts.headers).await;
-    answer(cx.reconcile(served, &est)).await
+    // The answer is handed back once its record is queued (at once when the queue had room).
+    let (resp, wait) = cx.reconcile(served, &est);
+    super::wait(wait).await;
+    resp
 }
 
 /// An answer, and the wait for room in a full audit queue its record may need.
 type Answer = (Response<Body>, Option<QueueWait>);
-
-/// Hands back the answer once its record is queued.
-async fn answer((resp, w): Answer) -> Response<Body> {
-    super::wait(w).await;
-    resp
-}
 
 /// What one request carries from phase to phase.
 struct Ctx<'a> {
