@@ -302,20 +302,21 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
         let windows = gov.windows_at(&policy.windows, start);
         // Job ledgers belong to (consumer, job): another consumer naming the same job id
         // has a ledger of its own.
+        let ephemeral = ctx.ephemeral_job();
         let job_key = ctx.job_key();
         let who = Who {
             request_id: &ctx.request_id,
             job_key: &job_key,
             consumer: &ctx.consumer,
             team: ctx.team.as_ref(),
-            ephemeral_job: ctx.ephemeral_job(),
+            ephemeral_job: ephemeral,
         };
         let parts = plan::request_parts(policy, &windows, &gov.ledger, &who);
         // An undeclared job is this request alone: its ledger (and its job-scoped counter,
         // `plan::request_parts`) are its own, kept out of the shared maps: no look-up, insert
         // or removal per request, and nothing another request could share.
-        let job = if ctx.ephemeral_job() {
-            gov.ledger.ephemeral_job(start)
+        let job = if ephemeral {
+            Arc::new(JobLedger::new(0, 0, start))
         } else {
             gov.ledger.job(&job_key, start)
         };

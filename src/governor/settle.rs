@@ -37,6 +37,8 @@ impl Governor {
         let reserved = reservation.amount();
         rec.usage_over_reservation = actual.tokens > reserved.tokens || actual.usd > reserved.usd;
         let before = reservation.commit(actual);
+        // `govern` moves the reserved parts into the pending call, in reservation order.
+        debug_assert_eq!(parts.len(), before.len(), "pending parts not filled in");
         // The headers of a buffered answer count what this call really used.
         super::limits::recount(&mut rec.token_limits, &parts);
         rec.remaining_tokens = super::limits::tightest(&rec.token_limits).map(|l| l.remaining);

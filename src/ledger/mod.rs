@@ -245,12 +245,6 @@ impl Ledger {
         });
     }
 
-    /// A ledger for a job that is only this one request (one the app did not declare): its
-    /// own, never in the map, so nothing is left to forget when the request ends.
-    pub fn ephemeral_job(&self, now: Millis) -> Arc<JobLedger> {
-        Arc::new(JobLedger::new(0, 0, now))
-    }
-
     /// Visits every counter in place (persistence scans). Not for the request path: it
     /// read-locks each shard of the map in turn.
     pub fn for_each_counter(&self, mut f: impl FnMut(&CounterKey, &Counter)) {
