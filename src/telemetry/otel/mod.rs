@@ -69,7 +69,11 @@ pub fn start(headers: &http::HeaderMap, e: Endpoint) -> Option<Box<RequestTrace>
         Endpoint::Completions => ("/v1/completions", "text_completion"),
         Endpoint::Embeddings => ("/v1/embeddings", "embeddings"),
     };
-    Some(Box::new(RequestTrace::start(o.sampler, headers, path, op)))
+    // Written into its box: the record (~500 bytes) is not built on the stack and copied.
+    Some(Box::write(
+        Box::new_uninit(),
+        RequestTrace::start(o.sampler, headers, path, op),
+    ))
 }
 
 /// Queues a finished request for the installed exporter (the one installed now: a reload

@@ -85,8 +85,11 @@ impl Finish {
 }
 
 impl PartialEq for Finish {
+    /// By codes: two lists built by [`Finish::add`] from the same reasons in the same order
+    /// have the same codes and the same `other` (a known reason always has its fixed code, an
+    /// unknown one the index of its first sighting).
     fn eq(&self, other: &Finish) -> bool {
-        self.n == other.n && self.iter().eq(other.iter())
+        self.codes[..self.len()] == other.codes[..other.len()] && self.other == other.other
     }
 }
 

@@ -270,3 +270,68 @@ async fn otel_cost() {
     let off = t0.elapsed().as_nanos() as f64 / n as f64;
     eprintln!("otel on: {on:.0} ns per request (spans + metrics + export encoding); off: {off:.1} ns ({hits})");
 }
+
+/// The caller's trace context is found among a few headers (by comparing names) and among
+/// many (by the map's look-up), wherever it sits, and its absence starts a trace of its own.
+#[test]
+fn the_callers_trace_context_is_found_among_few_or_many_headers() {
+    use super::context::Sampler;
+    use super::spans::RequestTrace;
+    let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    for others in [0usize, 3, 31, 32, 33, 60] {
+        for at in [0, others / 2, others] {
+            let mut h = http::HeaderMap::new();
+            for i in 0..others {
+                if i == at {
+                    h.insert("traceparent", tp.parse().unwrap());
+                    h.insert("tracestate", "k=v".parse().unwrap());
+                }
+                h.insert(
+                    http::HeaderName::from_bytes(format!("x-h{i}").as_bytes()).unwrap(),
+                    "1".parse().unwrap(),
+                );
+            }
+            if at == others {
+                h.insert("traceparent", tp.parse().unwrap());
+                h.insert("tracestate", "k=v".parse().unwrap());
+            }
+            let t = RequestTrace::start(Sampler::AlwaysOn, &h, "/v1/chat/completions", "chat");
+            let want: [u8; 16] = [
+                0x4b, 0xf9, 0x2f, 0x35, 0x77, 0xb3, 0x4d, 0xa6, 0xa3, 0xce, 0x92, 0x9d, 0x0e, 0x0e,
+                0x47, 0x36,
+            ];
+            assert_eq!(t.f.ids.trace_id, want, "{others} headers, at {at}");
+            assert_eq!(
+                t.f.parent,
+                Some([0x00, 0xf0, 0x67, 0xaa, 0x0b, 0xa9, 0x02, 0xb7])
+            );
+            assert_eq!(t.f.ids.tracestate.as_ref().unwrap(), "k=v");
+            h.remove("traceparent");
+            let t = RequestTrace::start(Sampler::AlwaysOn, &h, "/v1/chat/completions", "chat");
+            assert_ne!(t.f.ids.trace_id, want, "{others} headers, none");
+            assert!(t.f.parent.is_none() && t.f.ids.tracestate.is_none());
+        }
+    }
+}
+
+/// Finish reasons compare as the lists they are, whichever codes they were kept as.
+#[test]
+fn finish_reason_lists_compare_by_their_reasons() {
+    use super::notes::Finish;
+    let list = |rs: &[&str]| {
+        let mut f = Finish::default();
+        for r in rs {
+            f.add(r);
+        }
+        f
+    };
+    assert_eq!(list(&["stop", "odd"]), list(&["stop", "odd", "stop"]));
+    assert_ne!(list(&["stop", "odd"]), list(&["odd", "stop"]));
+    assert_ne!(list(&["odd"]), list(&["other"]));
+    assert_ne!(list(&["stop"]), list(&["stop", "length"]));
+    let mut reused = list(&["odd", "length"]);
+    reused.clear();
+    reused.add("stop");
+    assert_eq!(reused, list(&["stop"]));
+    assert_eq!(list(&[]), Finish::default());
+}
