@@ -62,7 +62,7 @@ fn ollama_stream(n: usize) -> Vec<u8> {
 }
 
 fn requests(c: &mut Criterion) {
-    let b = body();
+    let b = tollgate::providers::RequestBody::from(body());
     let mut g = c.benchmark_group("request");
     for kind in [
         BackendKind::Openai,

@@ -23,6 +23,7 @@ const ORDER: &[&str] = &[
     "estimate",
     "units",
     "body",
+    "jscan",
 ];
 
 fn files(p: &Path, out: &mut Vec<PathBuf>) {

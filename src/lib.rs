@@ -2,7 +2,7 @@
 //!
 //! Module graph (imports point down): `cli` → `sidecar` → `admin` → `proxy` → `telemetry`
 //! → `audit` → `scenario` → `dialect` → `providers` → `governor` → `state` → `stream` → `policy`
-//! → `ledger` → `estimate` → `units`, `body`. The governor is pure: no sockets, files or wall
+//! → `ledger` → `estimate` → `units`, `body`, `jscan`. The governor is pure: no sockets, files or wall
 //! clock. `layering.rs` checks the order.
 #![forbid(unsafe_code)]
 
@@ -25,6 +25,7 @@ pub mod cli;
 pub mod dialect;
 pub mod estimate;
 pub mod governor;
+pub(crate) mod jscan;
 pub mod ledger;
 pub mod policy;
 pub mod providers;

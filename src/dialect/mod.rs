@@ -188,9 +188,10 @@ impl Inbound {
 
     /// Why no backend but one speaking this dialect natively could serve the request
     /// (stateful Responses features): every translated chain entry is ineligible.
-    pub fn untranslatable(&self, body: &Map<String, Value>) -> Option<&'static str> {
+    pub fn untranslatable(&self, body: &crate::providers::RequestBody) -> Option<&'static str> {
         match self.dialect {
-            Dialect::Responses => responses::stateful(body),
+            // A Responses body is parsed already (translated from its dialect).
+            Dialect::Responses => body.map().ok().and_then(responses::stateful),
             _ => None,
         }
     }

@@ -190,9 +190,9 @@ fn responses_stream_completes_with_usage_and_stateful_is_flagged() {
     let b = inb
         .parse(br#"{"model":"chat","input":"hi","previous_response_id":"resp_1"}"#)
         .unwrap();
-    assert!(inb.untranslatable(&b).is_some());
+    assert!(inb.untranslatable(&b.into()).is_some());
     let b = inb.parse(br#"{"model":"chat","input":"hi"}"#).unwrap();
-    assert!(inb.untranslatable(&b).is_none());
+    assert!(inb.untranslatable(&b.into()).is_none());
 }
 
 #[test]

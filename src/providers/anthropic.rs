@@ -107,7 +107,7 @@ fn tool_choice(v: &Value) -> Option<Value> {
 }
 
 pub(crate) fn translate_request(c: &BuildCtx<'_>) -> Result<Value, Untranslatable> {
-    let body = c.body;
+    let body = c.body.map()?;
     if body.get("n").and_then(Value::as_u64).unwrap_or(1) > 1 {
         return Err(Untranslatable("anthropic does not support n > 1".into()));
     }

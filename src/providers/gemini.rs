@@ -108,7 +108,7 @@ fn tool_config(v: &Value) -> Option<Value> {
 }
 
 pub(crate) fn translate_request(c: &BuildCtx<'_>) -> Result<Value, Untranslatable> {
-    let body = c.body;
+    let body = c.body.map()?;
     let messages = body
         .get("messages")
         .and_then(Value::as_array)

@@ -12,6 +12,7 @@ pub mod anthropic;
 pub mod gemini;
 pub mod ollama;
 pub mod openai;
+mod request_body;
 pub mod responses;
 pub mod retry_after;
 mod scan;
@@ -28,6 +29,7 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use serde_json::{json, Map, Value};
 
+pub use request_body::RequestBody;
 pub use translate::{NativeEvents, Split, Translator};
 
 /// What an adapter needs to build one attempt's upstream request.
@@ -36,8 +38,8 @@ pub struct BuildCtx<'a> {
     /// The backend's `base_url`, without a trailing slash.
     pub base_url: &'a str,
     pub endpoint: Endpoint,
-    /// The client's OpenAI request body.
-    pub body: &'a Map<String, Value>,
+    /// The client's OpenAI request body (parsed when a provider asks for its map).
+    pub body: &'a RequestBody,
     /// The bytes `body` was read from, when it is their parse unchanged (the OpenAI dialect):
     /// an OpenAI request is then spliced from them, every member it does not edit as the
     /// client sent it.

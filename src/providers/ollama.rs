@@ -93,7 +93,7 @@ fn message_of(m: &Value) -> Result<Value, Untranslatable> {
 }
 
 pub(crate) fn translate_request(c: &BuildCtx<'_>) -> Result<Value, Untranslatable> {
-    let body = c.body;
+    let body = c.body.map()?;
     if body.get("n").and_then(Value::as_u64).unwrap_or(1) > 1 {
         return Err(Untranslatable("ollama does not support n > 1".into()));
     }
@@ -186,7 +186,8 @@ pub(crate) fn translate_response(body: &[u8], env: &Envelope) -> Result<Bytes, S
 
 /// OpenAI `/v1/embeddings` → Ollama `/api/embed` (`input`: a string or strings).
 pub(crate) fn translate_embed_request(c: &BuildCtx<'_>) -> Result<Value, Untranslatable> {
-    let input = match c.body.get("input") {
+    let body = c.body.map()?;
+    let input = match body.get("input") {
         Some(v @ Value::String(_)) => v.clone(),
         Some(Value::Array(a)) if a.iter().all(Value::is_string) => Value::Array(a.clone()),
         _ => {
@@ -198,7 +199,7 @@ pub(crate) fn translate_embed_request(c: &BuildCtx<'_>) -> Result<Value, Untrans
     let mut out = Map::new();
     out.insert("model".into(), Value::from(c.model));
     out.insert("input".into(), input);
-    if let Some(d) = c.body.get("dimensions") {
+    if let Some(d) = body.get("dimensions") {
         out.insert("dimensions".into(), d.clone());
     }
     Ok(Value::Object(out))

@@ -100,7 +100,7 @@ fn chat_cap_field(c: &BuildCtx<'_>) -> &'static str {
     if let Some(f) = c.output_cap_field {
         return f.as_str();
     }
-    if needs_max_completion_tokens(c.model) || c.body.contains_key("max_completion_tokens") {
+    if needs_max_completion_tokens(c.model) || c.body.has_max_completion_tokens() {
         "max_completion_tokens"
     } else {
         "max_tokens"
@@ -144,7 +144,7 @@ impl Provider for OpenAi {
         let body = match c.raw {
             Some(raw) => spliced(raw, c.model, cap, c.add_include_usage)?,
             None => serde_json::to_vec(&Rewritten {
-                body: c.body,
+                body: c.body.map()?,
                 model: c.model,
                 cap,
                 include_usage: c.add_include_usage,
@@ -206,12 +206,14 @@ impl Provider for OpenAi {
 mod tests {
     use super::*;
     use crate::policy::OutputCapField;
+    use crate::providers::RequestBody;
     use serde_json::json;
 
     /// One attempt's body built both ways, from the parsed map and spliced from the client's
     /// bytes: the two must say the same.
     fn built(model: &str, raw: &str, field: Option<OutputCapField>, usage: bool) -> (Value, Value) {
         let body: serde_json::Map<String, Value> = serde_json::from_str(raw).expect("object");
+        let body = RequestBody::from(body);
         let build = |raw: Option<&[u8]>| {
             let r = OpenAi
                 .request(&BuildCtx {
@@ -268,6 +270,7 @@ mod tests {
         // serde_json reads an integer past u64 as a float and would write it back changed.
         let raw = r#"{"model":"chat", "messages":[{"role":"user","content":"x"}], "temperature":1.50,"seed":123456789012345678901234,"max_tokens":5}"#;
         let body: serde_json::Map<String, Value> = serde_json::from_str(raw).unwrap();
+        let body = RequestBody::from(body);
         let r = OpenAi
             .request(&BuildCtx {
                 base_url: "http://up",

@@ -153,7 +153,7 @@ fn ws(b: &[u8], mut i: usize) -> usize {
 /// character: not JSON, left to serde_json).
 fn string_end(b: &[u8], mut i: usize) -> Option<usize> {
     loop {
-        i += super::scan::special_at(b.get(i..)?)?;
+        i += crate::jscan::special_at(b.get(i..)?)?;
         match b[i] {
             b'"' => return Some(i),
             b'\\' => i += 2, // the escaped byte (a `\uXXXX`'s digits hold no quote)

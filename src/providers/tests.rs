@@ -2,7 +2,12 @@ use super::*;
 use crate::estimate::Endpoint;
 use serde_json::json;
 
-fn ctx<'a>(body: &'a Map<String, Value>, stream: bool) -> BuildCtx<'a> {
+/// A test body as the providers read it.
+fn rb(m: &Map<String, Value>) -> RequestBody {
+    RequestBody::from(m.clone())
+}
+
+fn ctx<'a>(body: &'a RequestBody, stream: bool) -> BuildCtx<'a> {
     BuildCtx {
         base_url: "http://up/",
         endpoint: Endpoint::Chat,
@@ -113,7 +118,9 @@ fn usage_chunk(events: &[Value]) -> Option<&Value> {
 #[test]
 fn anthropic_request_hoists_system_and_translates_tools_images_and_results() {
     let body = conversation();
-    let r = anthropic::Anthropic.request(&ctx(&body, false)).unwrap();
+    let r = anthropic::Anthropic
+        .request(&ctx(&rb(&body), false))
+        .unwrap();
     assert_eq!(r.url, "http://up/v1/messages");
     let v: Value = serde_json::from_slice(&r.body).unwrap();
     assert_eq!(v["model"], "native-model");
@@ -152,7 +159,9 @@ fn anthropic_request_hoists_system_and_translates_tools_images_and_results() {
     assert_eq!(last[1]["tool_use_id"], "call_b");
     assert_eq!(last[2], json!({"type": "text", "text": "Thanks"}));
 
-    let s = anthropic::Anthropic.request(&ctx(&body, true)).unwrap();
+    let s = anthropic::Anthropic
+        .request(&ctx(&rb(&body), true))
+        .unwrap();
     let v: Value = serde_json::from_slice(&s.body).unwrap();
     assert_eq!(v["stream"], true);
 }
@@ -160,11 +169,13 @@ fn anthropic_request_hoists_system_and_translates_tools_images_and_results() {
 #[test]
 fn anthropic_refuses_what_it_cannot_express() {
     let body = obj(json!({"model": "m", "n": 2, "messages": [{"role": "user", "content": "x"}]}));
-    assert!(anthropic::Anthropic.request(&ctx(&body, false)).is_err());
+    assert!(anthropic::Anthropic
+        .request(&ctx(&rb(&body), false))
+        .is_err());
     let bad_args = obj(json!({"model": "m", "messages": [
         {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{not json"}}]}]}));
     assert!(anthropic::Anthropic
-        .request(&ctx(&bad_args, false))
+        .request(&ctx(&rb(&bad_args), false))
         .is_err());
 }
 
@@ -233,7 +244,9 @@ fn anthropic_tool_call_round_trip() {
         assistant,
         {"role": "tool", "tool_call_id": "toolu_9", "content": "sunny"}
     ]}));
-    let r = anthropic::Anthropic.request(&ctx(&body, false)).unwrap();
+    let r = anthropic::Anthropic
+        .request(&ctx(&rb(&body), false))
+        .unwrap();
     let v: Value = serde_json::from_slice(&r.body).unwrap();
     assert_eq!(v["messages"][1]["content"][0], native["content"][0]);
     assert_eq!(v["messages"][2]["content"][0]["tool_use_id"], "toolu_9");
@@ -315,9 +328,9 @@ fn anthropic_error_bodies_become_openai_errors() {
 #[test]
 fn gemini_request_uses_contents_roles_system_instruction_and_generation_config() {
     let body = conversation();
-    let r = gemini::Gemini.request(&ctx(&body, false)).unwrap();
+    let r = gemini::Gemini.request(&ctx(&rb(&body), false)).unwrap();
     assert_eq!(r.url, "http://up/models/native-model:generateContent");
-    let s = gemini::Gemini.request(&ctx(&body, true)).unwrap();
+    let s = gemini::Gemini.request(&ctx(&rb(&body), true)).unwrap();
     assert_eq!(
         s.url,
         "http://up/models/native-model:streamGenerateContent?alt=sse"
@@ -487,7 +500,7 @@ fn anthropic_and_ollama_bodies_are_not_read_with_geminis_parser() {
 #[test]
 fn ollama_request_always_caps_and_states_stream() {
     let body = conversation();
-    let r = ollama::Ollama.request(&ctx(&body, false)).unwrap();
+    let r = ollama::Ollama.request(&ctx(&rb(&body), false)).unwrap();
     assert_eq!(r.url, "http://up/api/chat");
     let v: Value = serde_json::from_slice(&r.body).unwrap();
     assert_eq!(v["stream"], false, "Ollama streams unless told not to");
@@ -506,7 +519,7 @@ fn ollama_request_always_caps_and_states_stream() {
     );
     assert_eq!(m[4]["role"], "tool");
     assert_eq!(v["tools"][0]["function"]["name"], "weather");
-    let s = ollama::Ollama.request(&ctx(&body, true)).unwrap();
+    let s = ollama::Ollama.request(&ctx(&rb(&body), true)).unwrap();
     let v: Value = serde_json::from_slice(&s.body).unwrap();
     assert_eq!(v["stream"], true);
 }
@@ -567,7 +580,7 @@ fn openai_keeps_the_body_and_sets_model_and_cap() {
     let body = obj(
         json!({"model": "chat", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 9000, "seed": 1}),
     );
-    let r = openai::OpenAi.request(&ctx(&body, false)).unwrap();
+    let r = openai::OpenAi.request(&ctx(&rb(&body), false)).unwrap();
     assert_eq!(r.url, "http://up/chat/completions");
     let v: Value = serde_json::from_slice(&r.body).unwrap();
     assert_eq!(v["model"], "native-model");
@@ -586,7 +599,9 @@ fn data_uris_parse() {
 
 #[test]
 fn ollama_embeddings_translate_both_ways() {
-    let body = obj(json!({"model": "embed", "input": ["alpha", "beta"], "dimensions": 3}));
+    let body = rb(&obj(
+        json!({"model": "embed", "input": ["alpha", "beta"], "dimensions": 3}),
+    ));
     let mut c = ctx(&body, false);
     c.endpoint = Endpoint::Embeddings;
     let r = ollama::Ollama.request(&c).unwrap();
@@ -597,7 +612,7 @@ fn ollama_embeddings_translate_both_ways() {
         json!({"model": "native-model", "input": ["alpha", "beta"], "dimensions": 3})
     );
 
-    let tokens = obj(json!({"model": "embed", "input": [[1, 2, 3]]}));
+    let tokens = rb(&obj(json!({"model": "embed", "input": [[1, 2, 3]]})));
     let mut c = ctx(&tokens, false);
     c.endpoint = Endpoint::Embeddings;
     assert!(

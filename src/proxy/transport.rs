@@ -21,7 +21,6 @@ use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
-use serde_json::Value;
 use std::future::Future;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -194,7 +193,7 @@ pub struct Call<'a> {
     pub snap: &'a Snapshot,
     pub endpoint: Endpoint,
     pub request_id: &'a str,
-    pub body: &'a serde_json::Map<String, Value>,
+    pub body: &'a providers::RequestBody,
     /// The bytes `body` was read from, when it is their parse unchanged (see `BuildCtx::raw`).
     pub raw: Option<&'a [u8]>,
     pub client_headers: &'a HeaderMap,

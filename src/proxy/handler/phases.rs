@@ -17,11 +17,10 @@ use crate::dialect::{self, render::Meta, Dialect, Inbound, Op};
 use crate::estimate::{self, Endpoint, Estimate};
 use crate::governor::{Outcome, Pending, Record, RequestCtx, Served, SystemClock};
 use crate::policy::{Policy, Route};
-use crate::providers::{self, NativeFormat, Wire};
+use crate::providers::{self, NativeFormat, RequestBody, Wire};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use hyper::body::Incoming;
-use serde_json::{Map, Value};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -91,7 +90,7 @@ enum Next<'a> {
 struct Ready<'a> {
     who: Identity,
     bytes: Bytes,
-    body: Map<String, Value>,
+    body: RequestBody,
     est: Estimate,
     route: &'a Route,
 }
@@ -161,19 +160,30 @@ impl<'a> Ctx<'a> {
     }
 
     /// Parse the body into the internal form and estimate it; the answer's meta is known now.
-    fn parse_and_estimate(
-        &mut self,
-        bytes: &[u8],
-    ) -> Result<(Map<String, Value>, Estimate), Refusal> {
-        let parsed = match self.inb.dialect {
-            Dialect::OpenAi => {
-                serde_json::from_slice(bytes).map_err(|e| Refusal::not_json_object(&e))
-            }
-            _ => self.inb.parse(bytes).map_err(Refusal::invalid_json),
-        };
-        let body = parsed?;
+    fn parse_and_estimate(&mut self, bytes: &Bytes) -> Result<(RequestBody, Estimate), Refusal> {
         let tokenizer = self.snap.policy.estimate.tokenizer;
-        let est = estimate::estimate_object(self.endpoint, &body, tokenizer)?;
+        // A plain OpenAI chat body is estimated from its bytes; its map is parsed only if a
+        // provider asks for it (an OpenAI-compatible backend never does).
+        let plain = match (self.inb.dialect, self.endpoint) {
+            (Dialect::OpenAi, Endpoint::Chat) => estimate::chat_plain(bytes, tokenizer),
+            _ => None,
+        };
+        let (body, est) = match plain {
+            Some(p) => (
+                RequestBody::lazy(bytes.clone(), p.max_completion_tokens_key),
+                p.est,
+            ),
+            None => {
+                let body = match self.inb.dialect {
+                    Dialect::OpenAi => {
+                        serde_json::from_slice(bytes).map_err(|e| Refusal::not_json_object(&e))
+                    }
+                    _ => self.inb.parse(bytes).map_err(Refusal::invalid_json),
+                }?;
+                let est = estimate::estimate_object(self.endpoint, &body, tokenizer)?;
+                (RequestBody::parsed(body), est)
+            }
+        };
         *self.meta = Meta {
             model: est.model.clone(),
             id: self.rec.request_id.to_string(),
