@@ -6,7 +6,7 @@ use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion
 use serde_json::{json, Value};
 use std::time::Duration;
 use tollgate::estimate::count::{forget_counts, forget_words};
-use tollgate::estimate::{estimate, warm_up, Endpoint, Tokenizer};
+use tollgate::estimate::{chat_plain, estimate, warm_up, Endpoint, Tokenizer};
 
 #[rustfmt::skip]
 const WORDS: &[&str] = &[
@@ -223,6 +223,22 @@ fn bench(c: &mut Criterion) {
             b.iter(|| estimate(Endpoint::Chat, black_box(&small), tok))
         });
     }
+    g.finish();
+
+    // The request as it comes, bytes: parsed into a `Value` tree and estimated, against the
+    // plain body's estimate read straight from the bytes (what the proxy does for a plain
+    // OpenAI chat body). Counts from the memo, as for a resent system prompt.
+    let bytes = serde_json::to_vec(&small).unwrap();
+    let mut g = c.benchmark_group("chat_200B_from_bytes");
+    g.bench_function("value_tree", |b| {
+        b.iter(|| {
+            let v: Value = serde_json::from_slice(black_box(&bytes)).unwrap();
+            estimate(Endpoint::Chat, &v, Tokenizer::O200k)
+        })
+    });
+    g.bench_function("plain", |b| {
+        b.iter(|| chat_plain(black_box(&bytes), Tokenizer::O200k))
+    });
     g.finish();
 }
 

@@ -220,13 +220,10 @@ impl Line<'_> {
     }
 }
 
-/// A JSON string: copied whole when nothing in it needs escaping (one branch-free pass the
-/// compiler vectorises), else escaped as `serde_json` escapes it.
+/// A JSON string: copied whole when nothing in it needs escaping (found eight bytes at a
+/// time, [`crate::jscan::special_at`]), else escaped as `serde_json` escapes it.
 fn string(out: &mut Vec<u8>, s: &str) {
-    let needs = s.bytes().fold(false, |acc, b| {
-        acc | (b < 0x20) | (b == b'"') | (b == b'\\')
-    });
-    if needs {
+    if crate::jscan::special_at(s.as_bytes()).is_some() {
         // Writing into a `Vec` cannot fail, and a `&str` always serialises.
         let _ = serde_json::to_writer(out, s);
         return;
