@@ -22,8 +22,8 @@ pub struct Scanned<'a> {
     pub data: bool,
     /// The raw `usage` value (valid UTF-8), if present.
     pub usage: Option<&'a [u8]>,
-    /// `model`, when a short string without escapes.
-    pub model: Option<&'a str>,
+    /// `model`, when a short string without escapes (valid UTF-8).
+    pub model: Option<&'a [u8]>,
     /// Each choice's `finish_reason`, when a short string without escapes, in order.
     pub finish: super::validate::Reasons<'a>,
 }
@@ -37,7 +37,7 @@ const MAX_NAME: usize = 128;
 /// bytes that are not UTF-8, a number that is not a short integer (a float may be out of
 /// range), an object with such a key (serde decodes the keys of a map it visits). Arrays
 /// are skipped by serde too.
-fn name<'a>(p: &mut P<'a>, depth: u32) -> Option<Option<&'a str>> {
+fn name<'a>(p: &mut P<'a>, depth: u32) -> Option<Option<&'a [u8]>> {
     match p.peek()? {
         b'"' => {}
         b'-' | b'0'..=b'9' => {
@@ -67,7 +67,10 @@ fn name<'a>(p: &mut P<'a>, depth: u32) -> Option<Option<&'a str>> {
     if escaped {
         return None;
     }
-    let s = std::str::from_utf8(s).ok()?;
+    // serde decodes it: bytes that are not UTF-8 are refused (ASCII, nearly always, is).
+    if !s.is_ascii() {
+        std::str::from_utf8(s).ok()?;
+    }
     Some((s.len() <= MAX_NAME).then_some(s))
 }
 

@@ -76,31 +76,33 @@ fn scanned_usage(s: &scan::Scanned<'_>) -> Option<StreamUsage> {
 }
 
 /// What an answer says of itself, for its trace: the response model and the distinct finish
-/// reasons of its choices (short unescaped strings only; others are left out).
+/// reasons of its choices (short unescaped strings only; others are left out). Kept as the
+/// answer's bytes, valid UTF-8 (checked only where they are not ASCII: a short name's UTF-8
+/// check cost more than the rest of reading it).
 #[derive(Debug, Default)]
 pub struct Said<'a> {
-    pub model: Option<&'a str>,
+    pub model: Option<&'a [u8]>,
     pub finish: Reasons<'a>,
 }
 
 /// Distinct finish reasons in the order first seen, at most [`Reasons::MAX`] (`n` choices).
 #[derive(Debug, Default)]
 pub struct Reasons<'a> {
-    items: [&'a str; Reasons::MAX],
+    items: [&'a [u8]; Reasons::MAX],
     n: usize,
 }
 
 impl<'a> Reasons<'a> {
     pub const MAX: usize = 8;
 
-    pub(crate) fn add(&mut self, r: &'a str) {
+    pub(crate) fn add(&mut self, r: &'a [u8]) {
         if self.n < Self::MAX && !self.items[..self.n].contains(&r) {
             self.items[self.n] = r;
             self.n += 1;
         }
     }
 
-    pub fn as_slice(&self) -> &[&'a str] {
+    pub fn as_slice(&self) -> &[&'a [u8]] {
         &self.items[..self.n]
     }
 }
@@ -136,7 +138,7 @@ fn serde_answer_said(endpoint: Endpoint, body: &[u8]) -> Option<(Option<StreamUs
     }
     let usage = s.usage();
     let said = Said {
-        model: s.model.and_then(|p| p.0),
+        model: s.model.and_then(|p| p.0).map(str::as_bytes),
         finish: s.choices.map(|c| c.0).unwrap_or_default(),
     };
     Some((usage, said))
@@ -201,7 +203,7 @@ impl<'de: 'a, 'a> Deserialize<'de> for Choices<'a> {
                 let mut r = Reasons::default();
                 while let Some(c) = seq.next_element::<Choice<'de>>()? {
                     if let Some(reason) = c.0 {
-                        r.add(reason);
+                        r.add(reason.as_bytes());
                     }
                 }
                 Ok(Choices(r))
@@ -365,12 +367,12 @@ mod tests {
         }
         let (usage, said) = openai_answer_said(Endpoint::Chat, bodies[0]).unwrap();
         assert_eq!(usage.unwrap().prompt_tokens, Some(9));
-        assert_eq!(said.model, Some("gpt-4o"));
-        assert_eq!(said.finish.as_slice(), ["stop", "length"]);
+        assert_eq!(said.model, Some(&b"gpt-4o"[..]));
+        assert_eq!(said.finish.as_slice(), [b"stop".as_slice(), b"length"]);
         // Only plain strings are taken; an escaped key is still the key.
         let (_, said) = openai_answer_said(Endpoint::Chat, bodies[1]).unwrap();
         assert_eq!(said.model, None);
-        assert_eq!(said.finish.as_slice(), ["escaped_key"]);
+        assert_eq!(said.finish.as_slice(), [b"escaped_key".as_slice()]);
         let (_, said) = openai_answer_said(Endpoint::Chat, bodies[2]).unwrap();
         assert_eq!((said.model, said.finish.as_slice()), (None, &[][..]));
         let (_, said) = openai_answer_said(Endpoint::Chat, bodies[13]).unwrap();
@@ -398,7 +400,7 @@ mod tests {
         assert!(!stream_head_ok(StatusCode::OK, &h));
     }
 
-    type SaidView<'a> = Option<(Option<StreamUsage>, Option<&'a str>, Vec<&'a str>)>;
+    type SaidView<'a> = Option<(Option<StreamUsage>, Option<&'a [u8]>, Vec<&'a [u8]>)>;
 
     fn said_view(r: Option<(Option<StreamUsage>, Said<'_>)>) -> SaidView<'_> {
         r.map(|(u, s)| (u, s.model, s.finish.as_slice().to_vec()))

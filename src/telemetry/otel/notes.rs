@@ -67,14 +67,16 @@ impl Finish {
             })
     }
 
-    pub fn add(&mut self, s: &str) {
-        if self.len() >= MAX_FINISH || self.iter().any(|f| f == s) {
+    /// Adds a reason given as valid UTF-8 bytes (a text, or an answer's bytes).
+    pub fn add(&mut self, s: impl AsRef<[u8]>) {
+        let s = s.as_ref();
+        if self.len() >= MAX_FINISH || self.iter().any(|f| f.as_bytes() == s) {
             return;
         }
-        let code = match KNOWN.iter().position(|k| *k == s) {
+        let code = match KNOWN.iter().position(|k| k.as_bytes() == s) {
             Some(i) => i,
             None => {
-                self.other.push(s.into());
+                self.other.push(String::from_utf8_lossy(s).into());
                 KNOWN.len() + self.other.len() - 1
             }
         };
@@ -139,10 +141,10 @@ impl Notes {
     ) {
         self.read = true;
         self.model = s.model.map(|m| {
-            if m == &**attempt_model {
+            if m == attempt_model.as_bytes() {
                 attempt_model.clone()
             } else {
-                Arc::from(m)
+                Arc::from(String::from_utf8_lossy(m))
             }
         });
         if !spans {
