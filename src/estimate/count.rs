@@ -43,11 +43,24 @@ fn count(tok: Tokenizer, s: &str, remember: bool) -> u64 {
             Some(t) if remember && s.len() >= memo::MIN_TEXT => {
                 memo::memo().count(tok as u8, s.as_bytes(), || bpe_count_here(t, tok, s))
             }
-            Some(t) => bpe_count_here(t, tok, s),
+            Some(t) => role_count(t, tok, s).unwrap_or_else(|| bpe_count_here(t, tok, s)),
             None => chars_to_tokens(to_u64(s.chars().count())),
         },
         Tokenizer::Chars => chars_to_tokens(to_u64(s.chars().count())),
     }
+}
+
+/// The role names of chat messages: every message carries one, and a text this short is
+/// counted each time (the memo is for longer ones), at ~350 instructions a role.
+const ROLES: [&str; 6] = ["system", "user", "assistant", "tool", "developer", "function"];
+
+/// A role name's count, counted once per process and tokenizer (`None`: not a role name).
+fn role_count(t: &'static Tables, tok: Tokenizer, s: &str) -> Option<u64> {
+    static COUNTS: [std::sync::OnceLock<[u64; ROLES.len()]>; 2] =
+        [std::sync::OnceLock::new(), std::sync::OnceLock::new()];
+    let i = ROLES.iter().position(|r| *r == s)?;
+    let slot = &COUNTS[usize::from(tok == Tokenizer::Cl100k)];
+    Some(slot.get_or_init(|| ROLES.map(|r| bpe_count(t, tok, r)))[i])
 }
 
 /// [`bpe_count`], off the async worker for a large text ([`offloads`]).
@@ -402,6 +415,28 @@ mod tests {
             let want: Vec<u64> = texts.iter().map(|t| lib(tok).count(t) as u64).collect();
             assert_eq!(cold, want, "{tok:?}");
             assert_eq!(warm, want, "{tok:?}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod role_tests {
+    use super::{count_output_text, count_text, ROLES};
+    use crate::estimate::Tokenizer;
+
+    /// A role's count from the table is the library's count of it, and a text that only
+    /// resembles a role is counted as itself.
+    #[test]
+    fn role_names_count_as_the_library_counts_them() {
+        for (tok, lib) in [
+            (Tokenizer::O200k, bpe_openai::o200k_base()),
+            (Tokenizer::Cl100k, bpe_openai::cl100k_base()),
+        ] {
+            for r in ROLES.iter().copied().chain(["User", "users", " user", "toolbox", "système"]) {
+                let want = lib.count(r) as u64;
+                assert_eq!(count_text(tok, r), want, "{tok:?} {r}");
+                assert_eq!(count_output_text(tok, r), want, "{tok:?} {r}");
+            }
         }
     }
 }
