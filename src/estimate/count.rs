@@ -52,7 +52,14 @@ fn count(tok: Tokenizer, s: &str, remember: bool) -> u64 {
 
 /// The role names of chat messages: every message carries one, and a text this short is
 /// counted each time (the memo is for longer ones), at ~350 instructions a role.
-const ROLES: [&str; 6] = ["system", "user", "assistant", "tool", "developer", "function"];
+const ROLES: [&str; 6] = [
+    "system",
+    "user",
+    "assistant",
+    "tool",
+    "developer",
+    "function",
+];
 
 /// A role name's count, counted once per process and tokenizer (`None`: not a role name).
 fn role_count(t: &'static Tables, tok: Tokenizer, s: &str) -> Option<u64> {
@@ -432,7 +439,11 @@ mod role_tests {
             (Tokenizer::O200k, bpe_openai::o200k_base()),
             (Tokenizer::Cl100k, bpe_openai::cl100k_base()),
         ] {
-            for r in ROLES.iter().copied().chain(["User", "users", " user", "toolbox", "système"]) {
+            for r in ROLES
+                .iter()
+                .copied()
+                .chain(["User", "users", " user", "toolbox", "système"])
+            {
                 let want = lib.count(r) as u64;
                 assert_eq!(count_text(tok, r), want, "{tok:?} {r}");
                 assert_eq!(count_output_text(tok, r), want, "{tok:?} {r}");

@@ -18,13 +18,23 @@ use super::count::count_text;
 use super::{Estimate, Tokenizer, MAX_N};
 use crate::jscan::P;
 
-/// A plain chat body's estimate, and whether it has a top-level `max_completion_tokens` key
-/// (an OpenAI request then keeps that name for its cap).
+/// A plain chat body's estimate, whether it has a top-level `max_completion_tokens` key (an
+/// OpenAI request then keeps that name for its cap), and where its top-level members are.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plain {
     pub est: Estimate,
     pub max_completion_tokens_key: bool,
+    /// Each top-level member's key (its text between the quotes, without escapes) and value
+    /// (its raw text), as byte ranges of the body, in order; `None` past [`MAX_MEMBERS`]. An
+    /// OpenAI request is spliced from them without finding them again.
+    pub members: Option<Vec<Member>>,
 }
+
+/// A member's key and value, as byte ranges of the body.
+pub type Member = (std::ops::Range<usize>, std::ops::Range<usize>);
+
+/// Most top-level members recorded (a body has a dozen or so; a hostile one may have many).
+pub const MAX_MEMBERS: usize = 64;
 
 /// The top-level keys read here; a second one of them gives up (serde keeps the last).
 #[derive(Clone, Copy)]
@@ -53,11 +63,8 @@ pub fn chat(raw: &[u8], tok: Tokenizer) -> Option<Plain> {
     let mut input = None;
     let (mut max_tokens, mut max_completion, mut n) = (None, None, None);
     let (mut stream, mut include_usage) = (false, false);
-    p.ws();
-    p.object(1, |p, k, escaped| {
-        if escaped {
-            return None;
-        }
+    // The members' values, read by key.
+    let mut read = |p: &mut P<'_>, k: &[u8]| -> Option<()> {
         let key = match k {
             b"model" => Key::Model,
             b"messages" => Key::Messages,
@@ -83,6 +90,25 @@ pub fn chat(raw: &[u8], tok: Tokenizer) -> Option<Plain> {
             Key::StreamOptions => include_usage = stream_options(p)?,
         }
         Some(())
+    };
+    let mut members = Some(Vec::with_capacity(8));
+    p.ws();
+    p.object(1, |p, k, escaped| {
+        if escaped {
+            return None;
+        }
+        let at = p.i;
+        read(p, k)?;
+        if let Some(m) = members.as_mut() {
+            if m.len() == MAX_MEMBERS {
+                members = None;
+            } else {
+                // `k` is a slice of `raw`: its place is its distance from the start.
+                let from = k.as_ptr() as usize - raw.as_ptr() as usize;
+                m.push((from..from + k.len(), at..p.i));
+            }
+        }
+        Some(())
     })?;
     p.ws();
     if p.i != raw.len() {
@@ -104,6 +130,7 @@ pub fn chat(raw: &[u8], tok: Tokenizer) -> Option<Plain> {
             model: model.into_owned(),
         },
         max_completion_tokens_key: seen[Key::MaxCompletionTokens as usize],
+        members,
     })
 }
 
@@ -266,6 +293,7 @@ mod tests {
         let Some(Plain {
             est,
             max_completion_tokens_key,
+            members,
         }) = chat(b, tok)
         else {
             return false;
@@ -279,6 +307,19 @@ mod tests {
             map.contains_key("max_completion_tokens"),
             "{shown}"
         );
+        // The members: in order, each key a key of the map, each value the raw text of a
+        // JSON value; the last of each key is the map's value, and every key is there.
+        let members = members.expect("recorded");
+        let mut keys = Map::new();
+        let mut end = 0;
+        for (k, v) in members {
+            assert!(end <= k.start && k.end < v.start, "{shown}");
+            end = v.end;
+            let key = std::str::from_utf8(&b[k]).unwrap();
+            let value: Value = serde_json::from_slice(&b[v]).unwrap();
+            keys.insert(key.to_owned(), value);
+        }
+        assert_eq!(keys, map, "{shown}");
         true
     }
 

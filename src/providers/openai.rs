@@ -5,7 +5,7 @@
 use super::splice::Edit;
 use super::{
     join, key_header, BuildCtx, Envelope, NativeFormat, NativeRequest, PassCtx, Provider,
-    Translator, Untranslatable,
+    RequestBody, Translator, Untranslatable,
 };
 use crate::estimate::Endpoint;
 use crate::policy::Backend;
@@ -59,6 +59,7 @@ impl Serialize for Rewritten<'_> {
 /// keeps the client's bytes and place.
 fn spliced(
     raw: &[u8],
+    body: &RequestBody,
     model: &str,
     cap: Option<(&'static str, u64)>,
     include_usage: bool,
@@ -80,6 +81,10 @@ fn spliced(
     if include_usage {
         edits[n] = Edit::SetIn("stream_options", "include_usage", &yes);
         n += 1;
+    }
+    // The members as the estimate's scan found them, when it did (a plain body).
+    if let Some(m) = body.members_of(raw) {
+        return Ok(super::splice::splice_members(&m, raw.len(), &edits[..n]));
     }
     super::splice::splice(raw, &edits[..n]).map_err(Untranslatable)
 }
@@ -142,7 +147,7 @@ impl Provider for OpenAi {
             Endpoint::Completions => Some(("max_tokens", c.max_output_tokens)),
         };
         let body = match c.raw {
-            Some(raw) => spliced(raw, c.model, cap, c.add_include_usage)?,
+            Some(raw) => spliced(raw, c.body, c.model, cap, c.add_include_usage)?,
             None => serde_json::to_vec(&Rewritten {
                 body: c.body.map()?,
                 model: c.model,
@@ -260,6 +265,48 @@ mod tests {
                             assert_eq!(spliced["stream_options"]["include_usage"], true);
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// A plain body spliced from the members its estimate found is, byte for byte, the body
+    /// spliced from members found again.
+    #[test]
+    fn members_from_the_estimate_splice_as_members_found_again() {
+        use crate::estimate::{chat_plain, Tokenizer};
+        for raw in [
+            r#"{"model":"chat","messages":[{"role":"user","content":"hi"}],"max_tokens":256}"#,
+            r#" { "messages" : [ {"role":"user","content":"a\n\"b\""} ] , "model":"m", "x":{"y":[1,2]} , "max_completion_tokens": 5 } "#,
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stream":true,"stream_options":{"include_usage":false,"z":null},"seed":123456789012345678901234}"#,
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"metadata":{"a":1},"metadata":{"b":2},"temperature":0.50}"#,
+        ] {
+            let plain = chat_plain(raw.as_bytes(), Tokenizer::O200k).expect("a plain body");
+            let bytes = Bytes::from(raw);
+            let scanned = RequestBody::lazy(
+                bytes.clone(),
+                plain.max_completion_tokens_key,
+                plain.members,
+            );
+            let found_again = RequestBody::from(
+                serde_json::from_str::<serde_json::Map<String, Value>>(raw).unwrap(),
+            );
+            assert!(scanned.members_of(&bytes).is_some());
+            // Not the same buffer: not used.
+            assert!(scanned
+                .members_of(raw.as_bytes().to_vec().as_slice())
+                .is_none());
+            for usage in [false, true] {
+                for cap in [
+                    None,
+                    Some(("max_tokens", 7)),
+                    Some(("max_completion_tokens", 9)),
+                ] {
+                    assert_eq!(
+                        spliced(&bytes, &scanned, "up", cap, usage).unwrap(),
+                        spliced(&bytes, &found_again, "up", cap, usage).unwrap(),
+                        "{raw} {cap:?} {usage}"
+                    );
                 }
             }
         }

@@ -17,7 +17,12 @@ pub struct RequestBody {
     /// Whether the body has a top-level `max_completion_tokens` key (an OpenAI request then
     /// keeps that name for its cap).
     max_completion_tokens_key: bool,
+    /// Where `raw`'s top-level members are (`estimate::Plain::members`), when known.
+    members: Option<Vec<Member>>,
 }
+
+/// A top-level member's key and value, as byte ranges of the body.
+pub type Member = (std::ops::Range<usize>, std::ops::Range<usize>);
 
 impl RequestBody {
     /// A body parsed already (a translated dialect's, a test's).
@@ -26,17 +31,37 @@ impl RequestBody {
             raw: Bytes::new(),
             max_completion_tokens_key: map.contains_key("max_completion_tokens"),
             map: OnceLock::from(Ok(map)),
+            members: None,
         }
     }
 
     /// A body to parse from `raw` when asked: bytes the caller has found to be a JSON object
-    /// serde accepts (a plain body, `estimate::chat_plain`), with what that scan saw.
-    pub fn lazy(raw: Bytes, max_completion_tokens_key: bool) -> RequestBody {
+    /// serde accepts (a plain body, `estimate::chat_plain`), with what that scan saw: the
+    /// `max_completion_tokens` key and where the top-level members are.
+    pub fn lazy(
+        raw: Bytes,
+        max_completion_tokens_key: bool,
+        members: Option<Vec<Member>>,
+    ) -> RequestBody {
         RequestBody {
             raw,
             map: OnceLock::new(),
             max_completion_tokens_key,
+            members,
         }
+    }
+
+    /// The top-level members of `raw` (keys without escapes, values' raw text), when `raw` is
+    /// the very buffer this body was scanned from and the scan recorded them.
+    pub fn members_of<'r>(&self, raw: &'r [u8]) -> Option<Vec<(&'r [u8], &'r [u8])>> {
+        let spans = self.members.as_ref()?;
+        if !std::ptr::eq(raw, &self.raw[..]) {
+            return None;
+        }
+        spans
+            .iter()
+            .map(|(k, v)| Some((raw.get(k.clone())?, raw.get(v.clone())?)))
+            .collect()
     }
 
     /// The body as a map, parsed on the first call. It does not fail for the bodies

@@ -250,6 +250,12 @@ impl Obj {
     }
 }
 
+/// [`splice`] of a body whose top-level members the caller found already (each key without
+/// escapes and each value's raw text, in order: what [`members_of_parsed`] finds).
+pub fn splice_members(members: &[Member<'_>], len: usize, edits: &[Edit<'_>]) -> Vec<u8> {
+    write(members, len, edits)
+}
+
 fn write(members: &[Member<'_>], len: usize, edits: &[Edit<'_>]) -> Vec<u8> {
     let last = last_of_key(members);
     let mut o = Obj {

@@ -170,7 +170,7 @@ impl<'a> Ctx<'a> {
         };
         let (body, est) = match plain {
             Some(p) => (
-                RequestBody::lazy(bytes.clone(), p.max_completion_tokens_key),
+                RequestBody::lazy(bytes.clone(), p.max_completion_tokens_key, p.members),
                 p.est,
             ),
             None => {
