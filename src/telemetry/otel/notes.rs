@@ -202,7 +202,7 @@ mod tests {
         assert_eq!(g, ["other"]);
         assert_ne!(g, f);
         for i in 0..3 * MAX_FINISH {
-            g.add(&format!("r{i}"));
+            g.add(format!("r{i}"));
         }
         assert_eq!(g.len(), MAX_FINISH);
         assert_eq!(g.iter().nth(1), Some("r0"));
