@@ -3,6 +3,7 @@
 //! `RateLimit-Policy` / `RateLimit` fields (draft-ietf-httpapi-ratelimit-headers, structured
 //! fields) for every windowed token bound.
 
+use super::header_memo;
 use crate::governor::limits::{tightest, TokenLimit};
 use crate::units::Millis;
 use http::{HeaderMap, HeaderName, HeaderValue};
@@ -108,6 +109,13 @@ fn state_field(limits: &[TokenLimit], now: Millis) -> String {
 type PolicyKey = Vec<(std::sync::Arc<str>, u64, u64)>;
 
 thread_local! {
+    /// The last `x-ratelimit-limit-tokens` and `x-ratelimit-reset-tokens` values this thread
+    /// wrote, by the number they were written from.
+    static LIMIT_VALUE: header_memo::Slot<u64> = const { std::cell::RefCell::new(None) };
+    static RESET_VALUE: header_memo::Slot<u64> = const { std::cell::RefCell::new(None) };
+}
+
+thread_local! {
     /// The last `RateLimit-Policy` value this thread built. It changes only with the policy
     /// and the set of bounds a request falls under, so most answers reuse it (a clone of a
     /// shared buffer) instead of writing and validating it again.
@@ -154,10 +162,24 @@ pub fn stamp(h: &mut HeaderMap, limits: &[TokenLimit]) {
         return;
     };
     let now = crate::units::now_ms();
-    h.insert(H_LIMIT.clone(), HeaderValue::from(t.limit));
+    // The limit and the reset's seconds mostly repeat from one answer to the next.
+    let limit = header_memo::value(
+        &LIMIT_VALUE,
+        |k| *k == t.limit,
+        || Some((t.limit, HeaderValue::from(t.limit))),
+    );
+    if let Some(v) = limit {
+        h.insert(H_LIMIT.clone(), v);
+    }
     h.insert(H_REMAINING.clone(), HeaderValue::from(t.remaining));
     if let Some(reset) = t.resets_at_ms {
-        if let Ok(v) = HeaderValue::from_str(&openai_duration(secs_until(reset, now))) {
+        let secs = secs_until(reset, now);
+        let v = header_memo::value(
+            &RESET_VALUE,
+            |k| *k == secs,
+            || Some((secs, HeaderValue::from_str(&openai_duration(secs)).ok()?)),
+        );
+        if let Some(v) = v {
             h.insert(H_RESET.clone(), v);
         }
     }

@@ -5,6 +5,7 @@ mod conn;
 mod encoding;
 pub mod finish;
 pub mod handler;
+mod header_memo;
 pub mod identity;
 mod limit_headers;
 pub mod limits_view;

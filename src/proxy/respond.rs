@@ -318,6 +318,12 @@ fn tollgate_object(rec: &Record) -> serde_json::Value {
     })
 }
 
+thread_local! {
+    /// The last `x-tollgate-backend` value this thread wrote, by its backend's name.
+    static BACKEND_VALUE: super::header_memo::Slot<std::sync::Arc<str>> =
+        const { std::cell::RefCell::new(None) };
+}
+
 static H_REQUEST_ID: HeaderName = HeaderName::from_static("x-tollgate-request-id");
 static H_ACTION: HeaderName = HeaderName::from_static("x-tollgate-action");
 static H_REASON: HeaderName = HeaderName::from_static("x-tollgate-reason");
@@ -336,7 +342,16 @@ pub fn stamp(h: &mut HeaderMap, rec: &Record, snap: &Snapshot) {
         H_REASON.clone(),
         HeaderValue::from_static(rec.reason_class.as_str()),
     );
-    if let Ok(v) = HeaderValue::from_str(&rec.backend) {
+    // The backend mostly repeats from one answer to the next (by pointer: the policy's name).
+    let backend = super::header_memo::value(
+        &BACKEND_VALUE,
+        |k| std::sync::Arc::ptr_eq(k, &rec.backend),
+        || {
+            let v = HeaderValue::from_str(&rec.backend).ok()?;
+            Some((rec.backend.clone(), v))
+        },
+    );
+    if let Some(v) = backend {
         h.insert(H_BACKEND.clone(), v);
     }
     h.insert(H_VERSION.clone(), snap.version_header.clone());
