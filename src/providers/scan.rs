@@ -22,6 +22,8 @@ pub struct Scanned<'a> {
     pub data: bool,
     /// The raw `usage` value (valid UTF-8), if present.
     pub usage: Option<&'a [u8]>,
+    /// `usage` as [`usage`] reads it, when it has the plain shape (read in the same pass).
+    pub read_usage: Option<StreamUsage>,
     /// `model`, when a short string without escapes (valid UTF-8).
     pub model: Option<&'a [u8]>,
     /// Each choice's `finish_reason`, when a short string without escapes, in order.
@@ -135,10 +137,18 @@ pub fn answer(body: &[u8], said: bool) -> Option<Scanned<'_>> {
             }
             2 => p.value(1),
             _ => {
+                // Read in place when it has the plain shape (one pass over it, not two); else
+                // skipped, and kept raw for the caller.
                 let at = p.i;
-                p.value(1)?;
+                out.read_usage = usage_here(p, 2);
+                if out.read_usage.is_none() {
+                    p.i = at;
+                    p.value(1)?;
+                }
                 let raw = &p.b[at..p.i];
-                std::str::from_utf8(raw).ok()?;
+                if !raw.is_ascii() {
+                    std::str::from_utf8(raw).ok()?;
+                }
                 out.usage = Some(raw);
                 Some(())
             }
@@ -153,10 +163,18 @@ pub fn answer(body: &[u8], said: bool) -> Option<Scanned<'_>> {
 /// caller reads it with serde_json, which then decides).
 pub fn usage(raw: &[u8]) -> Option<StreamUsage> {
     let mut p = P::new(raw);
+    p.ws();
+    let u = usage_here(&mut p, 1)?;
+    p.ws();
+    (p.i == raw.len()).then_some(u)
+}
+
+/// [`usage`] of the value at `p.i`, an object at nesting `depth`, read in place; `p.i` ends
+/// past it when it is answered (and anywhere when not).
+fn usage_here(p: &mut P<'_>, depth: u32) -> Option<StreamUsage> {
     let mut u = StreamUsage::default();
     let mut seen = [false; 5];
-    p.ws();
-    p.object(1, |p, k, escaped| {
+    p.object(depth, |p, k, escaped| {
         if escaped {
             return None;
         }
@@ -166,7 +184,7 @@ pub fn usage(raw: &[u8]) -> Option<StreamUsage> {
             b"total_tokens" => 2,
             b"cache_creation_input_tokens" => 3,
             b"prompt_tokens_details" => 4,
-            _ => return p.value(1),
+            _ => return p.value(depth),
         };
         if std::mem::replace(&mut seen[slot], true) {
             return None;
@@ -177,14 +195,14 @@ pub fn usage(raw: &[u8]) -> Option<StreamUsage> {
             }
             let mut cached = None;
             let mut seen = false;
-            p.object(2, |p, k, escaped| match k {
+            p.object(depth + 1, |p, k, escaped| match k {
                 _ if escaped => None,
                 b"cached_tokens" if !std::mem::replace(&mut seen, true) => {
                     cached = p.count()?;
                     Some(())
                 }
                 b"cached_tokens" => None,
-                _ => p.value(2),
+                _ => p.value(depth + 1),
             })?;
             u.prompt_tokens_details = Some(PromptDetails {
                 cached_tokens: cached,
@@ -200,6 +218,5 @@ pub fn usage(raw: &[u8]) -> Option<StreamUsage> {
         }
         Some(())
     })?;
-    p.ws();
-    (p.i == raw.len()).then_some(u)
+    Some(u)
 }
