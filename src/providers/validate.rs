@@ -72,7 +72,7 @@ fn scanned_ok(s: &scan::Scanned<'_>, endpoint: Endpoint) -> bool {
 
 fn scanned_usage(s: &scan::Scanned<'_>) -> Option<StreamUsage> {
     if s.read_usage.is_some() {
-        return s.read_usage.clone();
+        return s.read_usage;
     }
     let u = s.usage?;
     scan::usage(u).or_else(|| serde_json::from_slice(u).ok())
