@@ -113,14 +113,10 @@ thread_local! {
     /// wrote, by the number they were written from.
     static LIMIT_VALUE: header_memo::Slot<u64> = const { std::cell::RefCell::new(None) };
     static RESET_VALUE: header_memo::Slot<u64> = const { std::cell::RefCell::new(None) };
-}
-
-thread_local! {
     /// The last `RateLimit-Policy` value this thread built. It changes only with the policy
     /// and the set of bounds a request falls under, so most answers reuse it (a clone of a
     /// shared buffer) instead of writing and validating it again.
-    static POLICY_VALUE: std::cell::RefCell<Option<(PolicyKey, HeaderValue)>> =
-        const { std::cell::RefCell::new(None) };
+    static POLICY_VALUE: header_memo::Slot<PolicyKey> = const { std::cell::RefCell::new(None) };
 }
 
 /// The `RateLimit-Policy` header value (`None`: no windowed bound, or a value a header
@@ -134,26 +130,17 @@ fn policy_value(limits: &[TokenLimit]) -> Option<HeaderValue> {
             })
         }) && it.next().is_none()
     };
-    let hit = POLICY_VALUE
-        .try_with(|m| match &*m.borrow() {
-            Some((key, v)) if same(key) => Some(v.clone()),
-            _ => None,
-        })
-        .ok()
-        .flatten();
-    if hit.is_some() {
-        return hit;
-    }
-    let policy = policy_field(limits);
-    if policy.is_empty() {
-        return None;
-    }
-    let v = HeaderValue::from_maybe_shared(bytes::Bytes::from(policy)).ok()?;
-    let key = windowed(limits)
-        .map(|(l, w, _)| (l.name.clone(), l.limit, w))
-        .collect();
-    let _ = POLICY_VALUE.try_with(|m| *m.borrow_mut() = Some((key, v.clone())));
-    Some(v)
+    header_memo::value(&POLICY_VALUE, same, || {
+        let policy = policy_field(limits);
+        if policy.is_empty() {
+            return None;
+        }
+        let v = HeaderValue::from_maybe_shared(bytes::Bytes::from(policy)).ok()?;
+        let key = windowed(limits)
+            .map(|(l, w, _)| (l.name.clone(), l.limit, w))
+            .collect();
+        Some((key, v))
+    })
 }
 
 /// Stamps the token rate-limit headers of an answer whose call was admitted.
