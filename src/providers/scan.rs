@@ -22,7 +22,7 @@ pub struct Scanned<'a> {
     pub data: bool,
     /// The raw `usage` value (valid UTF-8), if present.
     pub usage: Option<&'a [u8]>,
-    /// `usage` as [`usage`] reads it, when it has the plain shape (read in the same pass).
+    /// `usage` read in place, when it has the plain shape (see [`usage_here`]).
     pub read_usage: Option<StreamUsage>,
     /// `model`, when a short string without escapes (valid UTF-8).
     pub model: Option<&'a [u8]>,
@@ -158,19 +158,10 @@ pub fn answer(body: &[u8], said: bool) -> Option<Scanned<'_>> {
     (p.i == body.len()).then_some(out)
 }
 
-/// An answer's `usage` (the raw value [`answer`] found), read by hand when it has the plain
-/// shape: an object whose counts are integers or `null`. `None`: not answered here (the
-/// caller reads it with serde_json, which then decides).
-pub fn usage(raw: &[u8]) -> Option<StreamUsage> {
-    let mut p = P::new(raw);
-    p.ws();
-    let u = usage_here(&mut p, 1)?;
-    p.ws();
-    (p.i == raw.len()).then_some(u)
-}
-
-/// [`usage`] of the value at `p.i`, an object at nesting `depth`, read in place; `p.i` ends
-/// past it when it is answered (and anywhere when not).
+/// An answer's `usage`, the value at `p.i` (an object at nesting `depth`), read in place when
+/// it has the plain shape: an object whose counts are integers or `null`; `p.i` ends past it.
+/// `None`: not answered here (`p.i` anywhere; the caller skips the value and reads its raw
+/// text with serde_json, which then decides).
 fn usage_here(p: &mut P<'_>, depth: u32) -> Option<StreamUsage> {
     let mut u = StreamUsage::default();
     let mut seen = [false; 5];

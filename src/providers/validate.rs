@@ -70,12 +70,11 @@ fn scanned_ok(s: &scan::Scanned<'_>, endpoint: Endpoint) -> bool {
     }
 }
 
+/// The usage the scan read in place, else (a usage of another shape) serde_json's reading of
+/// its raw text, which then decides.
 fn scanned_usage(s: &scan::Scanned<'_>) -> Option<StreamUsage> {
-    if s.read_usage.is_some() {
-        return s.read_usage;
-    }
-    let u = s.usage?;
-    scan::usage(u).or_else(|| serde_json::from_slice(u).ok())
+    s.read_usage
+        .or_else(|| serde_json::from_slice(s.usage?).ok())
 }
 
 /// What an answer says of itself, for its trace: the response model and the distinct finish
