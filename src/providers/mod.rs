@@ -29,7 +29,7 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use serde_json::{json, Map, Value};
 
-pub use request_body::{Member, RequestBody};
+pub use request_body::RequestBody;
 pub use translate::{NativeEvents, Split, Translator};
 
 /// What an adapter needs to build one attempt's upstream request.

@@ -5,6 +5,7 @@
 //! no `Value` tree at all.
 
 use super::Untranslatable;
+use crate::estimate::Member;
 use bytes::Bytes;
 use serde_json::{Map, Value};
 use std::sync::OnceLock;
@@ -20,9 +21,6 @@ pub struct RequestBody {
     /// Where `raw`'s top-level members are (`estimate::Plain::members`), when known.
     members: Option<Vec<Member>>,
 }
-
-/// A top-level member's key and value, as byte ranges of the body.
-pub type Member = (std::ops::Range<usize>, std::ops::Range<usize>);
 
 impl RequestBody {
     /// A body parsed already (a translated dialect's, a test's).
