@@ -128,6 +128,7 @@ fn main() {
         let opts = Options {
             listen: Some("127.0.0.1:0".parse().expect("addr")),
             admin_listen: Some("127.0.0.1:0".parse().expect("addr")),
+            workers: None,
         };
         let running = sidecar::start(snap, Audit::off(), opts)
             .await

@@ -226,6 +226,7 @@ pub async fn serve(args: &ServeArgs) -> u8 {
     let opts = crate::sidecar::Options {
         listen: args.listen,
         admin_listen: args.admin_listen,
+        workers: None,
     };
     let mut running =
         match crate::sidecar::start_with(snap, audit, opts, state.governor.clone()).await {

@@ -13,14 +13,10 @@ static GLOBAL: alloc::Mimalloc = alloc::Mimalloc;
 
 fn main() -> ExitCode {
     let args = Cli::parse();
+    // The shared runtime: accepting, the admin port and the background work (audit, OTLP
+    // export, the policy watcher). The data port's connections are served by their own
+    // single-threaded workers (src/proxy/workers.rs, `TOLLGATE_WORKER_THREADS`).
     let mut builder = tokio::runtime::Builder::new_multi_thread();
-    // TOLLGATE_WORKER_THREADS: runtime worker threads (default: one per core).
-    if let Some(n) = std::env::var("TOLLGATE_WORKER_THREADS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-    {
-        builder.worker_threads(n.max(1));
-    }
     let rt = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

@@ -22,6 +22,9 @@ use tokio::task::JoinHandle;
 pub struct Options {
     pub listen: Option<SocketAddr>,
     pub admin_listen: Option<SocketAddr>,
+    /// Connection workers of the data port (`None`: `TOLLGATE_WORKER_THREADS`, else one per
+    /// core; `Some(0)`: connections are served on the calling runtime).
+    pub workers: Option<usize>,
 }
 
 /// A running sidecar.
@@ -67,6 +70,13 @@ pub async fn start_with(
         transport: Transport::new(),
         audit,
     });
+    let n = opts
+        .workers
+        .unwrap_or_else(crate::proxy::workers::count_from_env);
+    let workers = match n {
+        0 => None,
+        n => Some(crate::proxy::workers::Workers::start(n)?),
+    };
     let (stop, stop_rx) = watch::channel(false);
     let a = app.clone();
     let data_task = tokio::spawn(serve(
@@ -74,6 +84,7 @@ pub async fn start_with(
         stop_rx.clone(),
         app.clone(),
         "data",
+        workers,
         move |req| handle(a.clone(), req),
     ));
     let (a, o) = (app.clone(), ops.clone());
@@ -82,6 +93,7 @@ pub async fn start_with(
         stop_rx.clone(),
         app.clone(),
         "admin",
+        None,
         move |req| admin::handle(a.clone(), o.clone(), req),
     ));
     let sweeper = tokio::spawn(sweep(app.clone(), stop_rx));

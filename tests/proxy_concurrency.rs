@@ -63,6 +63,7 @@ budgets:
         Options {
             listen: Some("127.0.0.1:0".parse().unwrap()),
             admin_listen: Some("127.0.0.1:0".parse().unwrap()),
+            workers: None,
         },
     )
     .await

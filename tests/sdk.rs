@@ -131,6 +131,7 @@ async fn sidecar(yaml: &str) -> Running {
     let opts = Options {
         listen: Some("127.0.0.1:0".parse().unwrap()),
         admin_listen: Some("127.0.0.1:0".parse().unwrap()),
+        workers: None,
     };
     sidecar::start(snap, Audit::off(), opts)
         .await

@@ -21,6 +21,7 @@ async fn sidecar(yaml: &str) -> Running {
     let opts = Options {
         listen: Some("127.0.0.1:0".parse().expect("addr")),
         admin_listen: Some("127.0.0.1:0".parse().expect("addr")),
+        workers: None,
     };
     sidecar::start(snap, Audit::off(), opts)
         .await

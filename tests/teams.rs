@@ -73,6 +73,7 @@ impl Teams {
             Options {
                 listen: Some("127.0.0.1:0".parse().unwrap()),
                 admin_listen: Some("127.0.0.1:0".parse().unwrap()),
+                workers: None,
             },
         )
         .await

@@ -145,6 +145,43 @@ async fn concurrent_requests_open_at_most_one_connection_each_and_all_come_back(
     assert_eq!(pools.idle(&up.addr.to_string()), accepted);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_connection_worker_reuses_only_the_connections_it_dialed() {
+    use tollgate::proxy::workers::Workers;
+    let up = upstream(After::KeepAlive).await;
+    let pools = Arc::new(Pools::default());
+    let workers = Workers::start(2).unwrap();
+    // Runs a few calls on the worker that takes the next connection; `held` keeps the
+    // previous picks counted, so each pick goes to the other worker in turn.
+    let mut held = Vec::new();
+    let on_next_worker = |held: &mut Vec<_>, calls: usize| {
+        let (rt, open) = workers.pick();
+        held.push(open);
+        let (pools, addr) = (pools.clone(), up.addr);
+        rt.spawn(async move {
+            for _ in 0..calls {
+                assert_eq!(call(&pools, addr).await, ANSWER);
+            }
+            tollgate::proxy::workers::lane()
+        })
+    };
+    let first = on_next_worker(&mut held, 3).await.unwrap();
+    assert_eq!(
+        up.accepted.load(Ordering::SeqCst),
+        1,
+        "one connection, reused"
+    );
+    // The other worker does not drive the first one's connection: it dials its own.
+    let second = on_next_worker(&mut held, 3).await.unwrap();
+    assert_ne!(first, second);
+    assert_eq!(up.accepted.load(Ordering::SeqCst), 2);
+    assert_eq!(pools.idle(&up.addr.to_string()), 2);
+    held.clear();
+    // Back on the first worker (both idle again: the first is picked): its own is reused.
+    assert_eq!(on_next_worker(&mut held, 3).await.unwrap(), first);
+    assert_eq!(up.accepted.load(Ordering::SeqCst), 2);
+}
+
 #[tokio::test]
 async fn a_connection_the_upstream_closed_is_not_reused() {
     let up = upstream(After::SilentClose).await;

@@ -125,6 +125,15 @@ pub(crate) fn offloads(len: usize) -> bool {
             .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
 }
 
+/// Whether a body of `len` bytes is estimated on the blocking pool: a large one, on a
+/// single-threaded runtime (a connection worker, where [`offloads`] cannot move the count
+/// off the thread and the worker's other connections would wait for it).
+pub fn offload_whole(len: usize) -> bool {
+    len >= OFFLOAD_BYTES
+        && tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread)
+}
+
 /// The vocabulary of `tok` (`None` for `Chars`); built on first use.
 #[cfg(test)]
 pub(crate) fn ranks_for(tok: Tokenizer) -> Option<&'static Ranks> {

@@ -92,9 +92,21 @@ fn large_texts_are_counted_off_the_worker_only_on_a_multi_threaded_runtime() {
     let (Ok(current), Ok(multi)) = (current, multi) else {
         panic!("runtimes")
     };
-    // A current-thread runtime counts in place (block_in_place would panic there).
+    // A current-thread runtime counts in place (block_in_place would panic there): the
+    // proxy moves a body this large to the blocking pool as a whole instead.
     let got = current.block_on(async { (count::offloads(text.len()), count_text(O, &text)) });
     assert_eq!(got, (false, want));
+    let whole = current.block_on(async {
+        (
+            count::offload_whole(text.len()),
+            count::offload_whole(count::OFFLOAD_BYTES - 1),
+        )
+    });
+    assert_eq!(whole, (true, false));
+    assert!(
+        !count::offload_whole(text.len()),
+        "no runtime: nothing to offload"
+    );
     let t = text.clone();
     let got = multi.block_on(async move {
         tokio::spawn(async move {
@@ -102,11 +114,12 @@ fn large_texts_are_counted_off_the_worker_only_on_a_multi_threaded_runtime() {
                 count::offloads(t.len()),
                 count::offloads(count::OFFLOAD_BYTES - 1),
                 count_text(O, &t),
+                count::offload_whole(t.len()),
             )
         })
         .await
     });
-    assert_eq!(got.ok(), Some((true, false, want)));
+    assert_eq!(got.ok(), Some((true, false, want, false)));
 }
 
 // ---- chat: the cookbook arithmetic ----

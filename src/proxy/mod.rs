@@ -18,6 +18,7 @@ pub mod server;
 pub mod snapshot;
 pub mod stream;
 pub mod transport;
+pub mod workers;
 
 pub use handler::App;
 pub use server::reload;

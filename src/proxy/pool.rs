@@ -8,7 +8,12 @@
 //! when the connection is already idle (a buffered answer read whole) and otherwise through a
 //! small task that waits for it to become idle (a stream the client is still reading). TLS
 //! upstreams keep hyper-util's client (HTTP/2 by ALPN).
+//!
+//! The idle queue of an authority has one lane per connection worker
+//! ([`super::workers::lane`]): a connection's driver runs on the runtime that dialed it, so
+//! it is only reused from there (never driven by one worker for another's requests).
 
+use super::workers::MAX_WORKERS;
 use bytes::Bytes;
 use crossbeam_queue::ArrayQueue;
 use dashmap::DashMap;
@@ -18,7 +23,7 @@ use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioIo;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 use tower_service::Service;
 
@@ -36,9 +41,9 @@ struct Idle {
     since: Instant,
 }
 
-/// The idle connections to one authority.
+/// The idle connections to one authority, one queue per lane (made on the lane's first use).
 pub struct Pool {
-    idle: ArrayQueue<Idle>,
+    lanes: Box<[OnceLock<ArrayQueue<Idle>>]>,
     /// The `Host` header of every request to it.
     host: HeaderValue,
 }
@@ -47,6 +52,8 @@ pub struct Pool {
 pub struct Lease {
     tx: Option<Sender>,
     pool: Arc<Pool>,
+    /// The lane the connection was dialed on (its driver runs there).
+    lane: usize,
 }
 
 impl std::fmt::Debug for Lease {
@@ -63,8 +70,9 @@ impl Drop for Lease {
         if tx.is_closed() {
             return;
         }
+        let lane = self.lane;
         if tx.is_ready() {
-            self.pool.put(tx);
+            self.pool.put(lane, tx);
             return;
         }
         // Still reading its answer: back once that is done (an error means it closed).
@@ -74,7 +82,7 @@ impl Drop for Lease {
         let pool = self.pool.clone();
         rt.spawn(async move {
             if tx.ready().await.is_ok() {
-                pool.put(tx);
+                pool.put(lane, tx);
             }
         });
     }
@@ -83,22 +91,27 @@ impl Drop for Lease {
 impl Pool {
     fn new(host: HeaderValue) -> Self {
         Self {
-            idle: ArrayQueue::new(MAX_IDLE),
+            lanes: (0..=MAX_WORKERS).map(|_| OnceLock::new()).collect(),
             host,
         }
     }
 
-    fn put(&self, tx: Sender) {
+    fn lane(&self, lane: usize) -> &ArrayQueue<Idle> {
+        self.lanes[lane.min(MAX_WORKERS)].get_or_init(|| ArrayQueue::new(MAX_IDLE))
+    }
+
+    fn put(&self, lane: usize, tx: Sender) {
         // A full queue drops the connection, which closes it.
-        let _ = self.idle.push(Idle {
+        let _ = self.lane(lane).push(Idle {
             tx,
             since: Instant::now(),
         });
     }
 
-    /// An idle connection that can take a request now, if any.
-    fn take(&self) -> Option<Sender> {
-        while let Some(i) = self.idle.pop() {
+    /// An idle connection of `lane` that can take a request now, if any.
+    fn take(&self, lane: usize) -> Option<Sender> {
+        let idle = self.lanes[lane.min(MAX_WORKERS)].get()?;
+        while let Some(i) = idle.pop() {
             if i.tx.is_ready() && i.since.elapsed() < IDLE_TIMEOUT {
                 return Some(i.tx);
             }
@@ -106,9 +119,13 @@ impl Pool {
         None
     }
 
-    /// Idle connections waiting (for tests and status).
+    /// Idle connections waiting, on every lane (for tests and status).
     pub fn idle(&self) -> usize {
-        self.idle.len()
+        self.lanes
+            .iter()
+            .filter_map(OnceLock::get)
+            .map(ArrayQueue::len)
+            .sum()
     }
 }
 
@@ -159,15 +176,20 @@ impl Pools {
         *req.uri_mut() = origin_form(&uri);
         req.headers_mut()
             .insert(http::header::HOST, pool.host.clone());
+        let lane = super::workers::lane().min(MAX_WORKERS);
         let mut stale = 0;
         loop {
-            let (mut tx, reused) = match pool.take() {
+            let (mut tx, reused) = match pool.take(lane) {
                 Some(tx) if stale < STALE_RETRIES => (tx, true),
                 _ => (dial(&uri, connect).await?, false),
             };
             match tx.try_send_request(req).await {
                 Ok(resp) => {
-                    let lease = Lease { tx: Some(tx), pool };
+                    let lease = Lease {
+                        tx: Some(tx),
+                        pool,
+                        lane,
+                    };
                     return Ok((resp, lease));
                 }
                 Err(mut e) => match e.take_message() {

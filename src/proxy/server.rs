@@ -51,11 +51,15 @@ fn builder(header_timeout: Duration) -> auto::Builder<TokioExecutor> {
     builder
 }
 
+/// Serves `listener` until `stop`, then drains. With `workers`, each accepted connection is
+/// served on the least busy connection worker ([`super::workers`]); without, on the runtime
+/// this runs on.
 pub async fn serve<F, Fut>(
     listener: TcpListener,
     mut stop: watch::Receiver<bool>,
     app: Arc<App>,
     port: &'static str,
+    workers: Option<super::workers::Workers>,
     svc: F,
 ) where
     F: Fn(hyper::Request<hyper::body::Incoming>) -> Fut + Clone + Send + Sync + 'static,
@@ -87,29 +91,26 @@ pub async fn serve<F, Fut>(
                 let _ = stream.set_nodelay(true);
                 let svc = svc.clone();
                 let watcher = graceful.watcher();
-                let mut stopping = stop.clone();
-                tokio::spawn(async move {
-                    let _slot = slot;
-                    // hyper's header timer starts with the first byte: a silent socket is
-                    // closed here instead of sitting open forever, and at once on shutdown
-                    // (it holds a watcher, so the drain would otherwise wait for it).
-                    let spoke = tokio::select! {
-                        spoke = conn::first_byte(&stream, header_timeout, port) => spoke,
-                        _ = stopping.changed() => false,
-                    };
-                    if !spoke {
-                        return;
-                    }
-                    let conn = builder(header_timeout)
-                        .serve_connection(TokioIo::new(conn::Shaped::new(stream, port)), service_fn(svc))
-                        .into_owned();
-                    let _ = watcher.watch(conn).await;
+                let stopping = stop.clone();
+                let Some(workers) = workers.as_ref().filter(|w| !w.is_empty()) else {
+                    tokio::spawn(connection(stream, slot, header_timeout, port, stopping, watcher, svc));
+                    continue;
+                };
+                // The socket leaves this runtime's reactor for the worker's.
+                let Ok(std) = stream.into_std() else { continue };
+                let (worker, open) = workers.pick();
+                worker.spawn(async move {
+                    let _open = open;
+                    let Ok(stream) = tokio::net::TcpStream::from_std(std) else { return };
+                    connection(stream, slot, header_timeout, port, stopping, watcher, svc).await;
                 });
             }
             _ = stop.changed() => break,
         }
     }
     drop(listener);
+    // The workers stop once the drain is over (dropped at the end of this function).
+    let _workers = workers;
     // In-flight requests finish (up to `server.shutdown_grace`); idle keep-alive connections
     // close.
     let grace = app.snap.load().policy.server.shutdown_grace;
@@ -120,6 +121,42 @@ pub async fn serve<F, Fut>(
             "shutdown grace ran out with connections open"
         ),
     }
+}
+
+/// One connection, from its first byte to its close (or the drain's end).
+async fn connection<F, Fut>(
+    stream: tokio::net::TcpStream,
+    slot: conn::Slot,
+    header_timeout: Duration,
+    port: &'static str,
+    mut stopping: watch::Receiver<bool>,
+    watcher: hyper_util::server::graceful::Watcher,
+    svc: F,
+) where
+    F: Fn(hyper::Request<hyper::body::Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<
+            Output = Result<hyper::Response<super::respond::Body>, std::convert::Infallible>,
+        > + Send
+        + 'static,
+{
+    let _slot = slot;
+    // hyper's header timer starts with the first byte: a silent socket is closed here
+    // instead of sitting open forever, and at once on shutdown (it holds a watcher, so the
+    // drain would otherwise wait for it).
+    let spoke = tokio::select! {
+        spoke = conn::first_byte(&stream, header_timeout, port) => spoke,
+        _ = stopping.changed() => false,
+    };
+    if !spoke {
+        return;
+    }
+    let conn = builder(header_timeout)
+        .serve_connection(
+            TokioIo::new(conn::Shaped::new(stream, port)),
+            service_fn(svc),
+        )
+        .into_owned();
+    let _ = watcher.watch(conn).await;
 }
 
 /// Loads the policy at `path` and swaps it in whole; the old one stays on any error.

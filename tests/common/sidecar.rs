@@ -29,9 +29,27 @@ impl Sidecar {
         Sidecar::start_with_audit(yaml, audit, dir).await
     }
 
+    /// A sidecar whose data port has `workers` connection workers (0: served on the test's
+    /// runtime).
+    pub async fn start_workers(yaml: &str, workers: usize) -> Sidecar {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let audit_path = dir.path().join("audit.jsonl");
+        let (audit, _writer) = Audit::jsonl(audit_path.clone(), 4096).expect("audit");
+        Sidecar::start_inner(yaml, audit, dir, Some(workers)).await
+    }
+
     /// A sidecar writing to the given audit (any sink); `dir` is kept alive with it and
     /// `audit_path` points at `dir/audit.jsonl` (empty unless the audit writes there).
     pub async fn start_with_audit(yaml: &str, audit: Audit, dir: tempfile::TempDir) -> Sidecar {
+        Sidecar::start_inner(yaml, audit, dir, None).await
+    }
+
+    async fn start_inner(
+        yaml: &str,
+        audit: Audit,
+        dir: tempfile::TempDir,
+        workers: Option<usize>,
+    ) -> Sidecar {
         let policy = tollgate::policy::from_str(yaml, "test.yaml")
             .unwrap_or_else(|e| panic!("policy: {e}\n{yaml}"));
         let snap = Snapshot::build(policy).expect("snapshot");
@@ -42,6 +60,7 @@ impl Sidecar {
             Options {
                 listen: Some("127.0.0.1:0".parse().unwrap()),
                 admin_listen: Some("127.0.0.1:0".parse().unwrap()),
+                workers,
             },
         )
         .await

@@ -129,6 +129,37 @@ fn identify(
     }
 }
 
+/// Parses `bytes` into the internal form and estimates it. A plain OpenAI chat body is
+/// estimated from its bytes; its map is parsed only if a provider asks for it (an
+/// OpenAI-compatible backend never does).
+fn estimate_body(
+    inb: &Inbound,
+    endpoint: Endpoint,
+    tokenizer: estimate::Tokenizer,
+    bytes: &Bytes,
+) -> Result<(RequestBody, Estimate), Refusal> {
+    let plain = match (inb.dialect, endpoint) {
+        (Dialect::OpenAi, Endpoint::Chat) => estimate::chat_plain(bytes, tokenizer),
+        _ => None,
+    };
+    Ok(match plain {
+        Some(p) => (
+            RequestBody::lazy(bytes.clone(), p.max_completion_tokens_key, p.members),
+            p.est,
+        ),
+        None => {
+            let body = match inb.dialect {
+                Dialect::OpenAi => {
+                    serde_json::from_slice(bytes).map_err(|e| Refusal::not_json_object(&e))
+                }
+                _ => inb.parse(bytes).map_err(Refusal::invalid_json),
+            }?;
+            let est = estimate::estimate_object(endpoint, &body, tokenizer)?;
+            (RequestBody::parsed(body), est)
+        }
+    })
+}
+
 impl<'a> Ctx<'a> {
     /// The phases before the governor, in order.
     async fn prepare(
@@ -139,7 +170,7 @@ impl<'a> Ctx<'a> {
     ) -> Result<Next<'a>, Refusal> {
         let who = who?;
         let bytes = self.read_body(headers, body).await?;
-        let (body, est) = self.parse_and_estimate(&bytes)?;
+        let (body, est) = self.parse_and_estimate(&bytes).await?;
         if let Some(answer) = self.count(&est) {
             return Ok(Next::Answered(answer));
         }
@@ -160,29 +191,29 @@ impl<'a> Ctx<'a> {
     }
 
     /// Parse the body into the internal form and estimate it; the answer's meta is known now.
-    fn parse_and_estimate(&mut self, bytes: &Bytes) -> Result<(RequestBody, Estimate), Refusal> {
+    async fn parse_and_estimate(
+        &mut self,
+        bytes: &Bytes,
+    ) -> Result<(RequestBody, Estimate), Refusal> {
         let tokenizer = self.snap.policy.estimate.tokenizer;
-        // A plain OpenAI chat body is estimated from its bytes; its map is parsed only if a
-        // provider asks for it (an OpenAI-compatible backend never does).
-        let plain = match (self.inb.dialect, self.endpoint) {
-            (Dialect::OpenAi, Endpoint::Chat) => estimate::chat_plain(bytes, tokenizer),
-            _ => None,
-        };
-        let (body, est) = match plain {
-            Some(p) => (
-                RequestBody::lazy(bytes.clone(), p.max_completion_tokens_key, p.members),
-                p.est,
-            ),
-            None => {
-                let body = match self.inb.dialect {
-                    Dialect::OpenAi => {
-                        serde_json::from_slice(bytes).map_err(|e| Refusal::not_json_object(&e))
-                    }
-                    _ => self.inb.parse(bytes).map_err(Refusal::invalid_json),
-                }?;
-                let est = estimate::estimate_object(self.endpoint, &body, tokenizer)?;
-                (RequestBody::parsed(body), est)
+        let (body, est) = if estimate::offload_whole(bytes.len()) {
+            // A large body on a connection worker (a single-threaded runtime, where
+            // `block_in_place` is not available): estimated on the blocking pool, so the
+            // worker's other connections go on meanwhile.
+            let (inb, endpoint, b) = (self.inb.clone(), self.endpoint, bytes.clone());
+            match tokio::task::spawn_blocking(move || estimate_body(&inb, endpoint, tokenizer, &b))
+                .await
+            {
+                Ok(r) => r?,
+                // A panic goes on in this task, as it would have here; a cancellation only
+                // happens when the runtime is going away with the task.
+                Err(e) => std::panic::resume_unwind(match e.try_into_panic() {
+                    Ok(p) => p,
+                    Err(_) => Box::new("the estimate was cancelled"),
+                }),
             }
+        } else {
+            estimate_body(self.inb, self.endpoint, tokenizer, bytes)?
         };
         *self.meta = Meta {
             model: est.model.clone(),
