@@ -371,7 +371,7 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
             self.policy,
             &self.windows,
             &self.gov.ledger,
-            backend,
+            (backend, chain.backend),
             &chain.model,
         );
         Some(Entry {

@@ -124,7 +124,8 @@ pub fn request_parts(
         // A job bound's match is read against the job id the app sent, not the ledger key.
         let matched = match b.scope {
             Scope::Global => true,
-            Scope::Job => b.matcher.matches(crate::ledger::job_of_key(&id)),
+            // (The job id is only looked for in the key when the bound names one.)
+            Scope::Job => b.matcher.is_any() || b.matcher.matches(crate::ledger::job_of_key(&id)),
             _ => b.matcher.matches(&id),
         };
         if !matched {
@@ -137,19 +138,27 @@ pub fn request_parts(
             add(&mut parts, idx, b, key, || Arc::new(Counter::new(i64::MAX)));
         } else {
             add(&mut parts, idx, b, key.clone(), || {
-                ledger.counter(&key, expires)
+                ledger.counter_near(near_slot(idx, 0), &key, expires)
             });
         }
     }
     parts
 }
 
-/// Counters of bounds scoped to one chain entry (its backend and its upstream model).
+/// This thread's memo slot for bound `idx`'s counter ([`Ledger::counter_near`]): four per
+/// bound, so a backend- or model-scoped bound matching several chain entries keeps one
+/// counter per entry's backend (up to four) instead of each replacing the other's.
+fn near_slot(idx: usize, backend: usize) -> usize {
+    idx.saturating_mul(4).saturating_add(backend % 4)
+}
+
+/// Counters of bounds scoped to one chain entry (its backend, `backend_index` in the
+/// policy's list, and its upstream model).
 pub fn entry_parts(
     policy: &Policy,
     windows: &WindowSet,
     ledger: &Ledger,
-    backend: &Backend,
+    (backend, backend_index): (&Backend, usize),
     model: &Arc<str>,
 ) -> Vec<PartInfo> {
     let mut parts = Vec::with_capacity(policy.bounds.len());
@@ -164,7 +173,7 @@ pub fn entry_parts(
         }
         let (key, expires) = key_for(b, id, windows);
         add(&mut parts, idx, b, key.clone(), || {
-            ledger.counter(&key, expires)
+            ledger.counter_near(near_slot(idx, backend_index), &key, expires)
         });
     }
     parts

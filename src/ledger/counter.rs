@@ -6,7 +6,7 @@
 //! reconstructible as `used - committed`.
 
 use crate::units::{Amount, Dim};
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 
 #[derive(Debug, Default)]
 pub struct Counter {
@@ -14,6 +14,9 @@ pub struct Counter {
     committed: [AtomicU64; 3],
     /// When the counter may be dropped (window end), ms since epoch; `i64::MAX` = never by time.
     expires_at: AtomicI64,
+    /// Set when the ledger's map let go of it: a per-thread memo of counters
+    /// ([`super::near`]) must not hand it out again.
+    evicted: AtomicBool,
 }
 
 /// Why a dimension could not take a reservation.
@@ -47,6 +50,16 @@ impl Counter {
 
     pub fn expires_at(&self) -> i64 {
         self.expires_at.load(Ordering::Relaxed)
+    }
+
+    /// Marks the counter as no longer the ledger's (removed from its map).
+    pub(super) fn evict(&self) {
+        self.evicted.store(true, Ordering::Release);
+    }
+
+    /// Whether the ledger's map let go of it.
+    pub(super) fn is_evicted(&self) -> bool {
+        self.evicted.load(Ordering::Acquire)
     }
 
     /// Committed actual usage.

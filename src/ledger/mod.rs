@@ -7,6 +7,7 @@
 
 mod counter;
 mod job;
+mod near;
 pub mod shared;
 mod window;
 
@@ -154,16 +155,37 @@ impl LedgerTotals {
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Ledger {
     counters: DashMap<CounterKey, Arc<Counter>, foldhash::quality::RandomState>,
     jobs: DashMap<Arc<str>, Arc<JobLedger>, foldhash::quality::RandomState>,
     totals: Arc<LedgerTotals>,
+    /// Unique per ledger in the process: what the per-thread memo of counters is keyed by.
+    id: u64,
+}
+
+impl Default for Ledger {
+    fn default() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Ledger {
+            counters: DashMap::default(),
+            jobs: DashMap::default(),
+            totals: Arc::default(),
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
+        }
+    }
 }
 
 impl Ledger {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The counter for `key` like [`Ledger::counter`], through this thread's memo of the
+    /// counters it used last (`slot`: where to look, e.g. the bound's index): a counter seen
+    /// before is handed out without the map's look-up while the map still holds it.
+    pub fn counter_near(&self, slot: usize, key: &CounterKey, expires_at: Millis) -> Arc<Counter> {
+        near::counter(self, slot, key, || self.counter(key, expires_at))
     }
 
     /// The counter for `key`, created empty if absent. `expires_at` is used on creation only.
@@ -182,7 +204,9 @@ impl Ledger {
     }
 
     pub fn remove(&self, key: &CounterKey) {
-        self.counters.remove(key);
+        if let Some((_, c)) = self.counters.remove(key) {
+            c.evict();
+        }
     }
 
     /// Reserves `amount` on every part, all or nothing. On refusal nothing stays reserved.
@@ -238,11 +262,13 @@ impl Ledger {
         self.jobs.remove(id);
         // Unconditionally: a reservation still held (a concurrent request reusing the id)
         // settles into its own Arc of the counter; nothing is left behind in the map.
-        self.counters.remove(&CounterKey {
+        if let Some((_, c)) = self.counters.remove(&CounterKey {
             scope: Scope::Job,
             id: id.clone(),
             window: None,
-        });
+        }) {
+            c.evict();
+        }
     }
 
     /// Visits every counter in place (persistence scans). Not for the request path: it
@@ -322,10 +348,19 @@ impl Ledger {
                 id,
                 window: None,
             };
-            self.counters
-                .remove_if(&key, |_, c| c.reserved() == Amount::ZERO);
+            if let Some((_, c)) = self
+                .counters
+                .remove_if(&key, |_, c| c.reserved() == Amount::ZERO)
+            {
+                c.evict();
+            }
         }
-        self.counters
-            .retain(|_, c| c.expires_at() > now || c.reserved() != Amount::ZERO);
+        self.counters.retain(|_, c| {
+            let keep = c.expires_at() > now || c.reserved() != Amount::ZERO;
+            if !keep {
+                c.evict();
+            }
+            keep
+        });
     }
 }

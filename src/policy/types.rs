@@ -324,6 +324,11 @@ pub enum Match {
 }
 
 impl Match {
+    /// Whether every id matches (`*`, or no `match`).
+    pub fn is_any(&self) -> bool {
+        matches!(self, Match::Any)
+    }
+
     pub fn matches(&self, id: &str) -> bool {
         match self {
             Match::Any => true,
