@@ -51,23 +51,40 @@ fn builder(header_timeout: Duration) -> auto::Builder<TokioExecutor> {
     builder
 }
 
-/// Serves `listener` until `stop`, then drains. With `workers`, each accepted connection is
-/// served on the least busy connection worker ([`super::workers`]); without, on the runtime
-/// this runs on.
-pub async fn serve<F, Fut>(
-    listener: TcpListener,
-    mut stop: watch::Receiver<bool>,
-    app: Arc<App>,
-    port: &'static str,
-    workers: Option<super::workers::Workers>,
-    svc: F,
-) where
+/// A port's request handler: a function from a request to its response's future.
+pub trait Handler: Clone + Send + Sync + 'static {
+    type Answer: std::future::Future<
+            Output = Result<hyper::Response<super::respond::Body>, std::convert::Infallible>,
+        > + Send
+        + 'static;
+    fn call(&self, req: hyper::Request<hyper::body::Incoming>) -> Self::Answer;
+}
+
+impl<F, Fut> Handler for F
+where
     F: Fn(hyper::Request<hyper::body::Incoming>) -> Fut + Clone + Send + Sync + 'static,
     Fut: std::future::Future<
             Output = Result<hyper::Response<super::respond::Body>, std::convert::Infallible>,
         > + Send
         + 'static,
 {
+    type Answer = Fut;
+    fn call(&self, req: hyper::Request<hyper::body::Incoming>) -> Fut {
+        self(req)
+    }
+}
+
+/// Serves `listener` until `stop`, then drains. With `workers`, each accepted connection is
+/// served on the least busy connection worker ([`super::workers`]); without, on the runtime
+/// this runs on.
+pub async fn serve<H: Handler>(
+    listener: TcpListener,
+    mut stop: watch::Receiver<bool>,
+    app: Arc<App>,
+    port: &'static str,
+    workers: Option<super::workers::Workers>,
+    svc: H,
+) {
     let gate = conn::Gate::default();
     let graceful = GracefulShutdown::new();
     loop {
@@ -124,21 +141,15 @@ pub async fn serve<F, Fut>(
 }
 
 /// One connection, from its first byte to its close (or the drain's end).
-async fn connection<F, Fut>(
+async fn connection<H: Handler>(
     stream: tokio::net::TcpStream,
     slot: conn::Slot,
     header_timeout: Duration,
     port: &'static str,
     mut stopping: watch::Receiver<bool>,
     watcher: hyper_util::server::graceful::Watcher,
-    svc: F,
-) where
-    F: Fn(hyper::Request<hyper::body::Incoming>) -> Fut + Clone + Send + Sync + 'static,
-    Fut: std::future::Future<
-            Output = Result<hyper::Response<super::respond::Body>, std::convert::Infallible>,
-        > + Send
-        + 'static,
-{
+    svc: H,
+) {
     let _slot = slot;
     // hyper's header timer starts with the first byte: a silent socket is closed here
     // instead of sitting open forever, and at once on shutdown (it holds a watcher, so the
@@ -153,7 +164,7 @@ async fn connection<F, Fut>(
     let conn = builder(header_timeout)
         .serve_connection(
             TokioIo::new(conn::Shaped::new(stream, port)),
-            service_fn(svc),
+            service_fn(move |req| svc.call(req)),
         )
         .into_owned();
     let _ = watcher.watch(conn).await;
