@@ -1,7 +1,8 @@
 //! The data port's connection workers (single-threaded runtimes, one per core by default):
 //! requests on many connections are governed and audited whichever worker serves them, a
-//! large prompt is estimated off its worker (on the blocking pool) while the worker serves
-//! others, and `workers: 0` serves on the shared runtime as before.
+//! large prompt arriving on a worker (the size estimated on the blocking pool: which sizes
+//! leave the worker is unit-tested in `estimate::tests`) is estimated and governed like any
+//! other beside a small one, and `workers: 0` serves on the shared runtime as before.
 
 mod common;
 
@@ -36,7 +37,7 @@ fn request_id(h: &http::HeaderMap) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_large_prompt_is_estimated_off_its_worker_while_the_worker_serves_others() {
+async fn a_large_prompt_on_a_single_worker_is_estimated_and_governed_beside_a_small_one() {
     let up = MockUpstream::start(vec![]).await;
     let sc = Sidecar::start_workers(&policy(&up.base_url()), 1).await;
     // ~380 KB of text: well over the size that leaves the worker for the blocking pool.

@@ -120,18 +120,19 @@ pub const OFFLOAD_BYTES: usize = 32 * 1024;
 /// multi-threaded tokio runtime (`block_in_place` panics on a current-thread runtime, and
 /// outside a runtime there is nothing to stall).
 pub(crate) fn offloads(len: usize) -> bool {
-    len >= OFFLOAD_BYTES
-        && tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
+    len >= OFFLOAD_BYTES && on_runtime(tokio::runtime::RuntimeFlavor::MultiThread)
+}
+
+/// Whether this thread runs inside a Tokio runtime of flavor `f`.
+fn on_runtime(f: tokio::runtime::RuntimeFlavor) -> bool {
+    tokio::runtime::Handle::try_current().is_ok_and(|h| h.runtime_flavor() == f)
 }
 
 /// Whether a body of `len` bytes is estimated on the blocking pool: a large one, on a
 /// single-threaded runtime (a connection worker, where [`offloads`] cannot move the count
 /// off the thread and the worker's other connections would wait for it).
 pub fn offload_whole(len: usize) -> bool {
-    len >= OFFLOAD_BYTES
-        && tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread)
+    len >= OFFLOAD_BYTES && on_runtime(tokio::runtime::RuntimeFlavor::CurrentThread)
 }
 
 /// The vocabulary of `tok` (`None` for `Chars`); built on first use.

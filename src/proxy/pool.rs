@@ -176,7 +176,7 @@ impl Pools {
         *req.uri_mut() = origin_form(&uri);
         req.headers_mut()
             .insert(http::header::HOST, pool.host.clone());
-        let lane = super::workers::lane().min(MAX_WORKERS);
+        let lane = super::workers::lane();
         let mut stale = 0;
         loop {
             let (mut tx, reused) = match pool.take(lane) {

@@ -109,7 +109,7 @@ pub async fn serve<H: Handler>(
                 let svc = svc.clone();
                 let watcher = graceful.watcher();
                 let stopping = stop.clone();
-                let Some(workers) = workers.as_ref().filter(|w| !w.is_empty()) else {
+                let Some(workers) = workers.as_ref() else {
                     tokio::spawn(connection(stream, slot, header_timeout, port, stopping, watcher, svc));
                     continue;
                 };

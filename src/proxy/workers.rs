@@ -111,14 +111,6 @@ impl Workers {
         Ok(Workers { workers })
     }
 
-    pub fn len(&self) -> usize {
-        self.workers.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.workers.is_empty()
-    }
-
     /// The worker with the fewest open connections (the first of equals), its runtime and
     /// the guard that counts the connection until dropped.
     pub fn pick(&self) -> (&Handle, Open) {
