@@ -343,10 +343,10 @@ impl Call<'_> {
     }
 
     async fn attempt(&self, spec: CallSpec<'_>) -> CallResult<Box<UpstreamResponse>> {
-        // Boxed: the span is held across the call, and every level of the request's future
-        // above would carry its bytes even with export off.
+        // A handle (the record lives in the request's trace): the span is held across the
+        // call, and every level of the request's future above carries it even with export off.
         let span = crate::telemetry::otel::attempt(&spec);
-        let r = self.attempt_inner(spec, span.as_deref()).await;
+        let r = self.attempt_inner(spec, span).await;
         if let Some(span) = span {
             span.end(&r);
         }
@@ -356,7 +356,7 @@ impl Call<'_> {
     async fn attempt_inner(
         &self,
         spec: CallSpec<'_>,
-        span: Option<&crate::telemetry::otel::Attempt>,
+        span: Option<crate::telemetry::otel::Attempt>,
     ) -> CallResult<Box<UpstreamResponse>> {
         let backend = spec.backend;
         let provider = providers::for_kind(backend.kind);
@@ -558,7 +558,7 @@ impl Call<'_> {
 fn read_answer(
     endpoint: Endpoint,
     b: &[u8],
-    span: Option<&crate::telemetry::otel::Attempt>,
+    span: Option<crate::telemetry::otel::Attempt>,
 ) -> Option<Option<StreamUsage>> {
     let Some(span) = span else {
         return providers::validate::openai_answer(endpoint, b);

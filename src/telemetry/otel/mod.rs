@@ -187,7 +187,7 @@ fn with<R>(f: impl FnOnce(&mut RequestTrace) -> R) -> Option<R> {
 }
 
 /// Starts the span of one upstream attempt under the request's span (`None` outside a scope).
-pub fn attempt(spec: &crate::governor::CallSpec<'_>) -> Option<Box<Attempt>> {
+pub fn attempt(spec: &crate::governor::CallSpec<'_>) -> Option<Attempt> {
     with(|t| t.attempt(spec))
 }
 
@@ -205,8 +205,8 @@ pub fn note_body(body: &[u8]) {
 
 /// Notes what a served answer said of itself, read in the transport's own parse of it
 /// (`cached`: the usage's cached input tokens, when it states them).
-pub fn note_said(span: &Attempt, said: &crate::providers::validate::Said<'_>, cached: Option<u64>) {
-    with(|t| t.f.notes.said(span.model(), said, cached, t.f.ids.sampled));
+pub fn note_said(span: Attempt, said: &crate::providers::validate::Said<'_>, cached: Option<u64>) {
+    with(|t| t.said(span, said, cached));
 }
 
 /// Takes the request's trace out of the scope (a stream finishes it when it ends).

@@ -87,12 +87,12 @@ pub(crate) struct TraceIds {
     pub tracestate: Option<HeaderValue>,
 }
 
-/// One governed request's trace: its server span and its attempts so far, kept in the record
-/// the export task reads (the trace is boxed once, and the box itself is queued at the end).
+/// One governed request's trace: its server span and its attempts, kept in the record the
+/// export task reads (the trace is boxed once, and the box itself is queued at the end).
 pub struct RequestTrace {
     pub(super) f: Finished,
     /// The served attempt, open until the request ends.
-    served: Option<Box<Attempt>>,
+    served: Option<Attempt>,
 }
 
 impl std::fmt::Debug for RequestTrace {
@@ -103,18 +103,10 @@ impl std::fmt::Debug for RequestTrace {
     }
 }
 
-/// One upstream attempt's client span: boxed once when it starts, and the box itself kept in
-/// the request's trace when it ends (its record is filled in place, never moved).
-pub struct Attempt {
-    ids: TraceIds,
-    done: AttemptDone,
-}
-
-impl std::fmt::Debug for Attempt {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Attempt").finish_non_exhaustive()
-    }
-}
+/// One upstream attempt's client span: its place among the request's attempts, whose record
+/// lives in the request's trace (filled in place there: no allocation per attempt).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attempt(u32);
 
 /// How an attempt ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -162,36 +154,63 @@ impl AttemptDone {
     }
 }
 
-/// A request's ended attempts, in order: the first kept inline (most requests make one
-/// attempt, whose list then costs no allocation).
+/// A request's attempts, in order, kept in the request's trace: the first inline (most
+/// requests make one attempt, whose list then costs no allocation). An attempt is exported
+/// once it ended; one still open when the request ends (its call was abandoned) is not.
 #[derive(Debug, Default)]
 pub(crate) struct Attempts {
-    first: Option<Box<Attempt>>,
-    // Boxes: an attempt's record was boxed when it started, and moving the box is cheaper
-    // than moving the record out of it.
-    #[allow(clippy::vec_box)]
-    rest: Vec<Box<Attempt>>,
+    first: Option<Slot>,
+    rest: Vec<Slot>,
+}
+
+#[derive(Debug)]
+struct Slot {
+    done: AttemptDone,
+    open: bool,
 }
 
 impl Attempts {
-    pub fn push(&mut self, a: Box<Attempt>) {
+    /// Adds an open attempt, returning its place.
+    fn open(&mut self, done: AttemptDone) -> Attempt {
+        let slot = Slot { done, open: true };
         if self.first.is_none() {
-            self.first = Some(a);
-        } else {
-            self.rest.push(a);
+            self.first = Some(slot);
+            return Attempt(0);
+        }
+        self.rest.push(slot);
+        Attempt(u32::try_from(self.rest.len()).unwrap_or(u32::MAX))
+    }
+
+    fn slot(&mut self, a: Attempt) -> Option<&mut Slot> {
+        match a.0 {
+            0 => self.first.as_mut(),
+            i => self.rest.get_mut(i as usize - 1),
         }
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = &AttemptDone> {
-        self.first.iter().chain(&self.rest).map(|a| &a.done)
+    fn get(&self, a: Attempt) -> Option<&AttemptDone> {
+        match a.0 {
+            0 => self.first.as_ref(),
+            i => self.rest.get(i as usize - 1),
+        }
+        .map(|s| &s.done)
+    }
+
+    /// The ended attempts, in order.
+    pub fn iter(&self) -> impl DoubleEndedIterator<Item = &AttemptDone> {
+        self.first
+            .iter()
+            .chain(&self.rest)
+            .filter(|s| !s.open)
+            .map(|s| &s.done)
     }
 
     pub fn last(&self) -> Option<&AttemptDone> {
-        self.rest.last().or(self.first.as_ref()).map(|a| &a.done)
+        self.iter().next_back()
     }
 
     pub fn len(&self) -> usize {
-        usize::from(self.first.is_some()) + self.rest.len()
+        self.iter().count()
     }
 }
 
@@ -201,14 +220,10 @@ impl From<Vec<AttemptDone>> for Attempts {
     fn from(v: Vec<AttemptDone>) -> Attempts {
         let mut a = Attempts::default();
         for done in v {
-            a.push(Box::new(Attempt {
-                ids: TraceIds {
-                    trace_id: [1; 16],
-                    sampled: true,
-                    tracestate: None,
-                },
-                done,
-            }));
+            let at = a.open(done);
+            if let Some(s) = a.slot(at) {
+                s.open = false;
+            }
         }
         a
     }
@@ -432,33 +447,30 @@ impl RequestTrace {
         }
     }
 
-    pub(super) fn attempt(&self, spec: &CallSpec<'_>) -> Box<Attempt> {
+    pub(super) fn attempt(&mut self, spec: &CallSpec<'_>) -> Attempt {
         let start = mono_ns();
-        Box::new(Attempt {
-            ids: self.f.ids.clone(),
-            done: AttemptDone {
-                span_id: context::span_id(),
-                start,
-                end: start,
-                backend: spec.backend.id.clone(),
-                provider: provider_name(spec.backend.kind),
-                model: spec.model.clone(),
-                base_url: spec.backend.base_url.clone(),
-                max_tokens: spec.max_output_tokens,
-                attempt: spec.attempt,
-                probe: spec.probe,
-                first_chunk: None,
-                // Set when it ends.
-                outcome: Outcome::Served,
-            },
+        self.f.attempts.open(AttemptDone {
+            span_id: context::span_id(),
+            start,
+            end: start,
+            backend: spec.backend.id.clone(),
+            provider: provider_name(spec.backend.kind),
+            model: spec.model.clone(),
+            base_url: spec.backend.base_url.clone(),
+            max_tokens: spec.max_output_tokens,
+            attempt: spec.attempt,
+            probe: spec.probe,
+            first_chunk: None,
+            // Set when it ends.
+            outcome: Outcome::Served,
         })
     }
 
     /// Notes a chunk of a streamed answer: its first arrival, and what it says of itself.
     pub fn chunk(&mut self, data: &[u8]) {
-        if let Some(a) = self.served.as_mut() {
-            if a.done.first_chunk.is_none() {
-                a.done.first_chunk = Some(mono_ns());
+        if let Some(s) = self.served.and_then(|a| self.f.attempts.slot(a)) {
+            if s.done.first_chunk.is_none() {
+                s.done.first_chunk = Some(mono_ns());
             }
         }
         self.f.notes.scan(data, self.f.ids.sampled);
@@ -467,15 +479,18 @@ impl RequestTrace {
     /// Ends the served attempt and the server span with the decision, and queues the lot for
     /// export (dropped and counted when the queue is full). The box is queued as it is.
     pub fn finish(mut self: Box<Self>, entry: &Entry) {
+        self.close(entry);
+        super::queue(self);
+    }
+
+    /// Ends the served attempt and the server span with the decision.
+    fn close(&mut self, entry: &Entry) {
         let end = mono_ns();
         self.f.end = end;
-        if let Some(mut a) = self.served.take() {
-            a.done.end = end;
-            a.done.outcome = Outcome::Served;
-            self.f.attempts.push(a);
+        if let Some(s) = self.served.and_then(|a| self.f.attempts.slot(a)) {
+            s.done.end = end;
         }
         self.f.decision = Some(Decision::of(&entry.record));
-        super::queue(self);
     }
 }
 
@@ -499,35 +514,137 @@ impl Attempt {
     /// Writes this attempt's `traceparent` (and the caller's `tracestate`) on the upstream
     /// request, which carries none of the client's (the transport does not forward them on a
     /// traced attempt).
-    pub fn inject(&self, headers: &mut http::HeaderMap) {
-        let tp = context::traceparent(&self.ids.trace_id, &self.done.span_id, self.ids.sampled);
-        if let Ok(v) = HeaderValue::from_bytes(&tp) {
-            headers.insert(TRACEPARENT, v);
-        }
-        if let Some(ts) = &self.ids.tracestate {
-            headers.insert(TRACESTATE, ts.clone());
-        }
-    }
-
-    /// The chain entry's upstream model.
-    pub(super) fn model(&self) -> &Arc<str> {
-        &self.done.model
-    }
-
-    /// Ends the attempt with its result; the served one is kept for the request's end.
-    pub fn end<T>(mut self: Box<Self>, r: &CallResult<T>) {
-        let outcome = match r {
-            CallResult::Served(_) => {
-                // Outside a scope there is no request to end with: the span is not exported.
-                let _ = with(move |t| t.served = Some(self));
+    pub fn inject(self, headers: &mut http::HeaderMap) {
+        with(|t| {
+            let Some(a) = t.f.attempts.get(self) else {
                 return;
+            };
+            let ids = &t.f.ids;
+            let tp = context::traceparent(&ids.trace_id, &a.span_id, ids.sampled);
+            if let Ok(v) = HeaderValue::from_bytes(&tp) {
+                headers.insert(TRACEPARENT, v);
             }
+            if let Some(ts) = &ids.tracestate {
+                headers.insert(TRACESTATE, ts.clone());
+            }
+        });
+    }
+
+    /// Ends the attempt with its result; the served one ends with the request.
+    pub fn end<T>(self, r: &CallResult<T>) {
+        let outcome = match r {
+            CallResult::Served(_) => Outcome::Served,
             CallResult::NotRetryable { status, .. } => Outcome::Status(*status),
             CallResult::Failed(f) => Outcome::Failed(f.class.as_str(), f.status),
             CallResult::Skipped(s) => Outcome::Skipped(s.as_str()),
         };
-        self.done.end = mono_ns();
-        self.done.outcome = outcome;
-        let _ = with(move |t| t.f.attempts.push(self));
+        with(|t| t.end_attempt(self, outcome));
+    }
+}
+
+impl RequestTrace {
+    /// Ends attempt `a` with `outcome`: a failed or skipped one now, the served one with the
+    /// request ([`RequestTrace::finish`]).
+    pub(super) fn end_attempt(&mut self, a: Attempt, outcome: Outcome) {
+        let Some(s) = self.f.attempts.slot(a) else {
+            return;
+        };
+        s.open = false;
+        s.done.outcome = outcome;
+        if outcome == Outcome::Served {
+            self.served = Some(a);
+        } else {
+            s.done.end = mono_ns();
+        }
+    }
+
+    /// Notes what a served answer said of itself, read in the transport's own parse of it.
+    pub(super) fn said(
+        &mut self,
+        a: Attempt,
+        said: &crate::providers::validate::Said<'_>,
+        cached: Option<u64>,
+    ) {
+        let f = &mut self.f;
+        if let Some(a) = f.attempts.get(a) {
+            f.notes.said(&a.model, said, cached, f.ids.sampled);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{context::Sampler, Attempt, Outcome, RequestTrace};
+    use crate::governor::{CallSpec, Record};
+    use std::sync::Arc;
+
+    #[test]
+    fn attempts_keep_their_order_and_one_left_open_is_not_exported() {
+        let p = crate::policy::from_str(
+            "version: v\nbackends:\n  - {id: b, kind: openai, base_url: 'http://h:9/v1'}\nroutes:\n  - model: chat\n    chain: [{backend: b, model: m}]\n",
+            "p.yaml",
+        )
+        .unwrap();
+        let model: Arc<str> = Arc::from("m");
+        let spec = |attempt| CallSpec {
+            backend: &p.backends[0],
+            backend_index: 0,
+            model: &model,
+            output_cap_field: None,
+            max_output_tokens: 10,
+            attempt,
+            probe: false,
+        };
+        let entry = crate::audit::Entry {
+            ts: String::new(),
+            endpoint: "chat.completions",
+            api: "openai",
+            latency_ms: 0.0,
+            record: Record::new(
+                Arc::from("v"),
+                Arc::from("r"),
+                Arc::from("j"),
+                Arc::from("c"),
+                Arc::from("chat"),
+            ),
+        };
+        let mut t = RequestTrace::start(
+            Sampler::AlwaysOn,
+            &http::HeaderMap::new(),
+            "/v1/chat/completions",
+            "chat",
+        );
+        // Failed, then served, then one abandoned (its call dropped before it ended).
+        let (a, b, c) = (
+            t.attempt(&spec(1)),
+            t.attempt(&spec(2)),
+            t.attempt(&spec(3)),
+        );
+        assert_eq!((a, b, c), (Attempt(0), Attempt(1), Attempt(2)));
+        t.end_attempt(a, Outcome::Failed("5xx", Some(503)));
+        t.end_attempt(b, Outcome::Served);
+        assert_eq!(t.f.attempts.len(), 2);
+        t.chunk(b"data: {}");
+        // A handle of no attempt of this trace changes nothing.
+        t.end_attempt(Attempt(9), Outcome::Served);
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        t.close(&entry);
+        let ended: Vec<(u32, Outcome)> =
+            t.f.attempts
+                .iter()
+                .map(|d| (d.attempt, d.outcome))
+                .collect();
+        assert_eq!(
+            ended,
+            [(1, Outcome::Failed("5xx", Some(503))), (2, Outcome::Served)]
+        );
+        let served = t.f.served().unwrap();
+        assert_eq!(served.attempt, 2);
+        // The served attempt ends with the request, after its first chunk.
+        assert_eq!(served.end, t.f.end);
+        assert!(served
+            .first_chunk
+            .is_some_and(|c| c >= served.start && c < served.end));
+        assert!(t.f.attempts.iter().next().unwrap().end < served.end);
     }
 }
