@@ -160,23 +160,40 @@ impl<'a> P<'a> {
         Some(())
     }
 
-    /// A count: `null`, or an integer that fits a `u64` (anything else gives up).
+    /// A count: `null`, or an integer of at most 19 digits (anything else gives up: a sign, a
+    /// fraction, an exponent). Read in one pass: the digits are validated as they are summed.
     pub fn count(&mut self) -> Option<Option<u64>> {
-        if self.peek()? == b'n' {
-            self.literal(b"null")?;
-            return Some(None);
+        match self.peek()? {
+            b'n' => {
+                self.literal(b"null")?;
+                return Some(None);
+            }
+            b'0'..=b'9' => {}
+            _ => return None,
         }
         let at = self.i;
-        self.number()?;
-        let digits = &self.b[at..self.i];
-        if digits.len() > 19 || !digits.iter().all(u8::is_ascii_digit) {
-            return None;
-        }
+        // A leading zero stands alone (a digit after it is left for the caller, which then
+        // finds no separator, as serde_json refuses it).
         let mut n: u64 = 0;
-        for &d in digits {
-            n = n.checked_mul(10)?.checked_add(u64::from(d - b'0'))?;
+        if self.b[at] == b'0' {
+            self.i += 1;
+        } else {
+            while let Some(&d) = self.b.get(self.i) {
+                if !d.is_ascii_digit() {
+                    break;
+                }
+                // 19 digits fit a u64; one more gives up.
+                if self.i - at == 19 {
+                    return None;
+                }
+                n = n * 10 + u64::from(d - b'0');
+                self.i += 1;
+            }
         }
-        Some(Some(n))
+        match self.peek() {
+            Some(b'.' | b'e' | b'E') => None,
+            _ => Some(Some(n)),
+        }
     }
 
     pub fn digits(&mut self) {
@@ -288,6 +305,66 @@ mod tests {
     /// What `special_at` must find: the first byte the table flags.
     fn by_table(s: &[u8]) -> Option<usize> {
         s.iter().position(|&c| SPECIAL[usize::from(c)])
+    }
+
+    /// The two-pass reading `count` replaced: the grammar's number, then its digits.
+    fn count_by_number(b: &[u8]) -> (Option<Option<u64>>, usize) {
+        let mut p = P::new(b);
+        let r = (|| {
+            if p.peek()? == b'n' {
+                p.literal(b"null")?;
+                return Some(None);
+            }
+            let at = p.i;
+            p.number()?;
+            let digits = &p.b[at..p.i];
+            if digits.len() > 19 || !digits.iter().all(u8::is_ascii_digit) {
+                return None;
+            }
+            let mut n: u64 = 0;
+            for &d in digits {
+                n = n.checked_mul(10)?.checked_add(u64::from(d - b'0'))?;
+            }
+            Some(Some(n))
+        })();
+        (r, p.i)
+    }
+
+    #[test]
+    fn counts_read_in_one_pass_as_the_grammar_and_a_digit_check_read_them() {
+        let cases: &[&[u8]] = &[
+            b"0",
+            b"7,",
+            b"31}",
+            b"1234567890123456789",
+            b"12345678901234567890",
+            b"9999999999999999999",
+            b"18446744073709551615",
+            b"01",
+            b"0.5",
+            b"1.0",
+            b"1e3",
+            b"2E1",
+            b"-1",
+            b"-0",
+            b"null",
+            b"nul",
+            b"",
+            b"x",
+            b"12a",
+            b"00",
+            b"5 ",
+            b"0}",
+        ];
+        for b in cases {
+            let mut p = P::new(b);
+            let r = p.count();
+            let (want, end) = count_by_number(b);
+            assert_eq!(r, want, "{}", String::from_utf8_lossy(b));
+            if r.is_some() {
+                assert_eq!(p.i, end, "{}", String::from_utf8_lossy(b));
+            }
+        }
     }
 
     #[test]
