@@ -692,13 +692,13 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
             degrade_note(rec);
         }
         self.count(walk);
-        let pending = Pending {
+        let pending = Box::new(Pending {
             reservation,
             // Filled by `govern`, which owns the parts `ask.all` borrows.
             parts: Vec::new(),
             backend_index: entry.chain.backend,
             price: entry.price,
-        };
+        });
         Served::Upstream { payload, pending }
     }
 

@@ -82,8 +82,10 @@ impl Pending {
 /// What the handler must send back.
 #[derive(Debug)]
 pub enum Served<T> {
-    /// An upstream answered; settle `pending` when its usage is known.
-    Upstream { payload: T, pending: Pending },
+    /// An upstream answered; settle `pending` when its usage is known. Boxed: a `Served`
+    /// is handed up through every poll of the governor's and the handler's futures (each a
+    /// copy of the whole `Poll`), a pointer rather than the reservation's ~150 bytes.
+    Upstream { payload: T, pending: Box<Pending> },
     /// The route's static response (DEGRADE).
     Static(Arc<str>),
     /// A client error from the upstream, passed through unchanged.

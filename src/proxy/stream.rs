@@ -27,7 +27,7 @@ pub struct Tail {
     pub audit: Audit,
     /// Where and when the request came in, for the audit record and metrics.
     pub origin: Origin,
-    pub pending: Pending,
+    pub pending: Box<Pending>,
     pub record: Record,
     pub input_tokens: u64,
     /// Output tokens reserved for this call (cap × n): the mid-stream guard's bound.

@@ -102,7 +102,11 @@ impl Sidecar {
     }
 
     pub fn audit_text(&self) -> String {
-        std::fs::read_to_string(&self.audit_path).unwrap_or_default()
+        let mut text = std::fs::read_to_string(&self.audit_path).unwrap_or_default();
+        // Only whole lines: the writer thread may be half-way through the last one.
+        let whole = text.rfind('\n').map_or(0, |i| i + 1);
+        text.truncate(whole);
+        text
     }
 
     /// The audit record of `request_id`, waiting (bounded) for the writer thread to flush it.

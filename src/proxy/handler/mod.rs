@@ -267,14 +267,17 @@ async fn governed(
             phases::governed_here(&app, snap, endpoint, &inb, &mut meta, req, t0)
         );
         let resp = fut.await;
-        (resp, meta)
+        // Boxed: the answer is handed up through every poll of the scope, the panic guard and
+        // `Detach` (each a copy of the whole `Poll`, ready or not), a pointer rather than
+        // ~200 bytes.
+        Box::new((resp, meta))
     });
     let detached = Detach {
         work: Some(Box::pin(work)),
         gone,
     };
     match detached.await {
-        Ok(r) => r,
+        Ok(r) => *r,
         Err(_) => {
             tracing::error!("the governed request panicked");
             let mut r = Response::new(full(Bytes::from_static(

@@ -354,7 +354,7 @@ impl<'a> Ctx<'a> {
         mut self,
         up: Box<UpstreamResponse>,
         b: Bytes,
-        pending: Pending,
+        pending: Box<Pending>,
         est: &Estimate,
     ) -> Answer {
         let policy = &self.snap.policy;
@@ -377,7 +377,7 @@ impl<'a> Ctx<'a> {
         self,
         up: Box<UpstreamResponse>,
         incoming: Incoming,
-        pending: Pending,
+        pending: Box<Pending>,
         est: &Estimate,
     ) -> Response<Body> {
         // The usage chunk tollgate asked for (OpenAI) or a translated native stream always
