@@ -92,7 +92,7 @@ fn bench(c: &mut Criterion) {
                     gov.settle(
                         &policy,
                         &mut rec,
-                        pending,
+                        *pending,
                         Usage::new(480, 200),
                         UsageEvidence::Actual,
                     );

@@ -330,7 +330,7 @@ state: {{backend: redis, redis_url: 'redis://127.0.0.1:1', on_unavailable: {on_u
         };
         let mut rec = out.record;
         let usage = Usage::new(10, 5);
-        g.settle(p, &mut rec, pending, usage, UsageEvidence::Actual);
+        g.settle(p, &mut rec, *pending, usage, UsageEvidence::Actual);
     }
 
     async fn log_of(answer: Answer, mode: &str) -> Log {

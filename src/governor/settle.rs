@@ -12,7 +12,7 @@ impl Governor {
         &self,
         policy: &Policy,
         rec: &mut Record,
-        pending: Box<Pending>,
+        pending: Pending,
         usage: Usage,
         evidence: UsageEvidence,
     ) {
@@ -21,7 +21,7 @@ impl Governor {
             parts,
             backend_index: _,
             price,
-        } = *pending;
+        } = pending;
         let actual = Amount {
             tokens: usage.input_tokens.saturating_add(usage.output_tokens),
             requests: 1,

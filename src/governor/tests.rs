@@ -199,7 +199,7 @@ budgets:
             g.settle(
                 p,
                 &mut rec,
-                pending,
+                *pending,
                 Usage::new(10, 20),
                 crate::governor::UsageEvidence::Actual,
             );

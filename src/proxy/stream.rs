@@ -182,7 +182,7 @@ impl Metered {
             _ => UsageEvidence::Partial,
         };
         let backend = policy.backends.get(pending.backend_index()).cloned();
-        governor.settle(policy, &mut record, pending, usage, evidence);
+        governor.settle(policy, &mut record, *pending, usage, evidence);
         record.client_disconnected = self.client_gone || end == End::ClientGone;
         match end {
             End::UpstreamError | End::Timeout | End::Oversized => {

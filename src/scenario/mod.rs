@@ -267,7 +267,7 @@ pub async fn run(
                 (Usage::new(input_tokens, out), UsageEvidence::Estimated)
             }
         };
-        governor.settle(policy, &mut record, pending, usage, evidence);
+        governor.settle(policy, &mut record, *pending, usage, evidence);
     }
 
     let mut mismatches = compare(&sc.expect, &record, &governor, &clock, policy, &ids, now);

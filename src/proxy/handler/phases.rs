@@ -310,7 +310,7 @@ impl<'a> Ctx<'a> {
                 self.meta.wire = payload.wire;
                 // The body goes its own way (buffered or streamed); the rest stays.
                 match std::mem::replace(&mut payload.body, UpBody::Buffered(Bytes::new())) {
-                    UpBody::Buffered(b) => self.buffered(payload, b, pending, est),
+                    UpBody::Buffered(b) => self.buffered(payload, b, *pending, est),
                     UpBody::Stream(s) => (self.streamed(payload, s, pending, est), None),
                 }
             }
@@ -354,7 +354,7 @@ impl<'a> Ctx<'a> {
         mut self,
         up: Box<UpstreamResponse>,
         b: Bytes,
-        pending: Box<Pending>,
+        pending: Pending,
         est: &Estimate,
     ) -> Answer {
         let policy = &self.snap.policy;
