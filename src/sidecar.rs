@@ -112,6 +112,7 @@ impl Running {
     /// a change on disk is loaded within about a second.
     pub fn watch_policy(&mut self, path: std::path::PathBuf) {
         self.ops.set_policy_path(path);
+        self.ops.prime_fingerprint();
         let task = tokio::spawn(admin::watch(
             self.app.clone(),
             self.ops.clone(),

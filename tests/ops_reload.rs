@@ -163,6 +163,27 @@ async fn configmap_symlink_swap_is_picked_up() {
     sc.stop().await;
 }
 
+/// An edit made as the watcher is being set up, before its task first runs, is loaded: the
+/// watcher compares against what the file held when watching began. (On this single-threaded
+/// test runtime the watcher's task cannot run before the edit; it once took its first look
+/// only then, took the edited file as the starting point, and never loaded it.)
+#[tokio::test]
+async fn an_edit_before_the_watchers_first_look_is_loaded() {
+    let _serial = SERIAL.lock().await;
+    let up = MockUpstream::start(vec![]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("policy.yaml");
+    let v1 = policy("early-1", "rl-early", &up);
+    std::fs::write(&path, &v1).unwrap();
+    let mut sc = Sidecar::start(&v1).await;
+    sc.running.watch_policy(path.clone());
+    // No await between setting the watcher up and the edit.
+    write_atomic(&path, &policy("early-2", "rl-early", &up));
+    let took = wait_for_version(&sc, "early-2").await;
+    eprintln!("the early edit took effect after {took:?}");
+    sc.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_swaps_under_load_fail_no_request_and_stamp_only_valid_versions() {
     let _serial = SERIAL.lock().await;

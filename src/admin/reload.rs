@@ -154,6 +154,19 @@ impl Ops {
             .unwrap_or_else(|p| p.into_inner())
             .fingerprint = Some(fp);
     }
+
+    /// Takes the policy path's fingerprint now, if none was taken yet, so that the watcher
+    /// compares against what the path held when watching began, not when its task first
+    /// ran (a change made in between would otherwise be taken as the starting point and
+    /// never loaded). A small blocking read, once, when the watcher is set up.
+    pub fn prime_fingerprint(&self) {
+        if self.last_fingerprint().is_some() {
+            return;
+        }
+        if let Some(fp) = self.policy_path().and_then(|p| fingerprint(&p).ok()) {
+            self.set_fingerprint(fp);
+        }
+    }
 }
 
 /// A hash of what a load of `path` would read: the file's content, or every visible
