@@ -195,6 +195,9 @@ async fn fingerprint_off_runtime(path: &Path) -> std::io::Result<u64> {
 
 /// Polls the policy path and reloads when what it holds changes, until `stop`.
 pub async fn watch(app: Arc<App>, ops: Arc<Ops>, mut stop: watch::Receiver<bool>) {
+    // The starting point is taken when watching is set up ([`Ops::prime_fingerprint`]);
+    // this is the fallback for when that read failed (a file mid-swap): the first readable
+    // look then becomes the start.
     if let Some(path) = ops.policy_path() {
         if ops.last_fingerprint().is_none() {
             if let Ok(fp) = fingerprint_off_runtime(&path).await {

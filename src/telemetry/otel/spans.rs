@@ -466,6 +466,34 @@ impl RequestTrace {
         })
     }
 
+    /// Ends attempt `a` with `outcome`: a failed or skipped one now, the served one with the
+    /// request ([`RequestTrace::finish`]).
+    pub(super) fn end_attempt(&mut self, a: Attempt, outcome: Outcome) {
+        let Some(s) = self.f.attempts.slot(a) else {
+            return;
+        };
+        s.open = false;
+        s.done.outcome = outcome;
+        if outcome == Outcome::Served {
+            self.served = Some(a);
+        } else {
+            s.done.end = mono_ns();
+        }
+    }
+
+    /// Notes what a served answer said of itself, read in the transport's own parse of it.
+    pub(super) fn said(
+        &mut self,
+        a: Attempt,
+        said: &crate::providers::validate::Said<'_>,
+        cached: Option<u64>,
+    ) {
+        let f = &mut self.f;
+        if let Some(a) = f.attempts.get(a) {
+            f.notes.said(&a.model, said, cached, f.ids.sampled);
+        }
+    }
+
     /// Notes a chunk of a streamed answer: its first arrival, and what it says of itself.
     pub fn chunk(&mut self, data: &[u8]) {
         if let Some(s) = self.served.and_then(|a| self.f.attempts.slot(a)) {
@@ -539,36 +567,6 @@ impl Attempt {
             CallResult::Skipped(s) => Outcome::Skipped(s.as_str()),
         };
         with(|t| t.end_attempt(self, outcome));
-    }
-}
-
-impl RequestTrace {
-    /// Ends attempt `a` with `outcome`: a failed or skipped one now, the served one with the
-    /// request ([`RequestTrace::finish`]).
-    pub(super) fn end_attempt(&mut self, a: Attempt, outcome: Outcome) {
-        let Some(s) = self.f.attempts.slot(a) else {
-            return;
-        };
-        s.open = false;
-        s.done.outcome = outcome;
-        if outcome == Outcome::Served {
-            self.served = Some(a);
-        } else {
-            s.done.end = mono_ns();
-        }
-    }
-
-    /// Notes what a served answer said of itself, read in the transport's own parse of it.
-    pub(super) fn said(
-        &mut self,
-        a: Attempt,
-        said: &crate::providers::validate::Said<'_>,
-        cached: Option<u64>,
-    ) {
-        let f = &mut self.f;
-        if let Some(a) = f.attempts.get(a) {
-            f.notes.said(&a.model, said, cached, f.ids.sampled);
-        }
     }
 }
 
