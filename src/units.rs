@@ -19,6 +19,64 @@ pub fn now_ms() -> i64 {
         .saturating_add(t.tv_nsec as i64 / 1_000_000)
 }
 
+/// The wall clock now, as Unix seconds and nanoseconds (one `clock_gettime` through the vDSO).
+pub fn now_wall() -> (i64, u32) {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::Realtime);
+    (
+        t.tv_sec as i64,
+        u32::try_from(t.tv_nsec).unwrap_or(0).min(999_999_999),
+    )
+}
+
+/// Unix milliseconds of a [`now_wall`] reading.
+pub fn wall_ms((secs, nanos): (i64, u32)) -> i64 {
+    secs.saturating_mul(1000)
+        .saturating_add(i64::from(nanos / 1_000_000))
+}
+
+thread_local! {
+    /// The second last formatted by [`rfc3339`] and its `YYYY-MM-DDTHH:MM:SS` (19 bytes).
+    static SECOND: std::cell::Cell<(i64, [u8; 19])> = const { std::cell::Cell::new((i64::MIN, [0; 19])) };
+}
+
+/// A wall-clock reading in RFC 3339, UTC, as `jiff::Timestamp`'s `Display` writes it
+/// (`2026-12-05T15:21:06.506053273Z`: the fraction only when not zero, without trailing
+/// zeros). The date and time of day are formatted once a second per thread and kept; the
+/// fraction is written each time (jiff's printer cost ~620 instructions a record).
+pub fn rfc3339((secs, nanos): (i64, u32)) -> String {
+    let mut out = String::with_capacity(32);
+    let (last, mut head) = SECOND.with(std::cell::Cell::get);
+    if last != secs {
+        let Some(h) = jiff::Timestamp::from_second(secs)
+            .ok()
+            .map(|t| t.to_string())
+            .filter(|h| h.len() == 20 && h.ends_with('Z'))
+            .and_then(|h| <[u8; 19]>::try_from(&h.as_bytes()[..19]).ok())
+        else {
+            // Outside years 0-9999 (never from a clock): jiff writes it whole.
+            return jiff::Timestamp::new(secs, nanos as i32)
+                .map(|t| t.to_string())
+                .unwrap_or_default();
+        };
+        head = h;
+        SECOND.with(|c| c.set((secs, head)));
+    }
+    out.push_str(std::str::from_utf8(&head).unwrap_or_default());
+    if nanos > 0 {
+        let mut digits = [b'0'; 10];
+        digits[0] = b'.';
+        let mut n = nanos;
+        for d in digits[1..].iter_mut().rev() {
+            *d = b'0' + (n % 10) as u8;
+            n /= 10;
+        }
+        let end = 10 - digits.iter().rev().take_while(|&&d| d == b'0').count();
+        out.push_str(std::str::from_utf8(&digits[..end]).unwrap_or_default());
+    }
+    out.push('Z');
+    out
+}
+
 /// Converts a USD amount from a policy or scenario to micro-dollars, rounding to nearest.
 pub fn usd_to_micros(usd: f64) -> Micros {
     (usd * 1_000_000.0).round().max(0.0) as Micros
@@ -237,6 +295,44 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn timestamps_are_written_as_jiff_writes_them() {
+        let jiff = |s: i64, n: u32| jiff::Timestamp::new(s, n as i32).unwrap().to_string();
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let mut cases: Vec<(i64, u32)> = vec![
+            (0, 0),
+            (0, 1),
+            (1_764_947_266, 0),
+            (1_764_947_266, 500_000_000),
+            (1_764_947_266, 506_053_273),
+            (1_764_947_266, 999_999_999),
+            (1_764_947_266, 120),
+            (1_764_947_267, 1_000),
+            (253_402_207_199, 7),
+            (-1, 5),
+        ];
+        for _ in 0..5_000 {
+            let secs = (next() % 4_000_000_000) as i64;
+            // Every count of trailing zeros, and whole seconds.
+            let nanos = (next() % 1_000_000_000) as u32 / 10u32.pow((next() % 10) as u32);
+            cases.push((secs, nanos));
+            // The same second again: the kept head serves it.
+            cases.push((secs, nanos / 3));
+        }
+        for (s, n) in cases {
+            assert_eq!(rfc3339((s, n)), jiff(s, n), "{s} {n}");
+        }
+        let w = now_wall();
+        let t: jiff::Timestamp = rfc3339(w).parse().unwrap();
+        assert_eq!(t.as_millisecond(), wall_ms(w));
+    }
 
     #[test]
     fn dollars_read_as_dollars() {

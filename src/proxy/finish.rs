@@ -42,15 +42,15 @@ pub fn close(
     record: Record,
     sent: Sent,
 ) -> Entry {
-    let now = jiff::Timestamp::now();
+    let now = crate::units::now_wall();
     let entry = Entry {
-        ts: now.to_string(),
+        ts: crate::units::rfc3339(now),
         endpoint: origin.endpoint,
         api: origin.api,
         latency_ms: origin.at.elapsed().as_secs_f64() * 1000.0,
         record,
     };
-    let windows = governor.windows_at(&policy.windows, now.as_millisecond());
+    let windows = governor.windows_at(&policy.windows, crate::units::wall_ms(now));
     match sent {
         Sent::Whole => {
             crate::telemetry::observe(&entry, windows, &policy.alerts);

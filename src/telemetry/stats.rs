@@ -106,15 +106,20 @@ impl BackendStats {
         self.tokens_day.add(day, [input, output]);
         self.cost_month.add(month, [micros]);
         self.cost_micros.fetch_add(micros, Ordering::Relaxed);
+        if let Some((_, i, o)) = self.m.tokens.load().iter().find(|(m, _, _)| m == model) {
+            // Counted through the snapshot's handles, without cloning them.
+            i.increment(input);
+            o.increment(output);
+            return;
+        }
         let (i, o) = self.model_counters(model);
         i.increment(input);
         o.increment(output);
     }
 
+    /// The token counters of a model first seen (added to the snapshot).
+    #[cold]
     fn model_counters(&self, model: &Arc<str>) -> (Counter, Counter) {
-        if let Some((_, i, o)) = self.m.tokens.load().iter().find(|(m, _, _)| m == model) {
-            return (i.clone(), o.clone());
-        }
         let (p, m) = (self.id.to_string(), model.to_string());
         let i = metrics::counter!(AI_TOKENS_TOTAL, "provider" => p.clone(), "model" => m.clone(), "direction" => "input");
         let o = metrics::counter!(AI_TOKENS_TOTAL, "provider" => p, "model" => m, "direction" => "output");
