@@ -104,13 +104,29 @@ pub enum ServedBy {
     None,
 }
 
+/// The constant strings a record starts with, made once and shared: a record is made twice
+/// a request, and a fresh `Arc` of a constant cost an allocation and a free each time.
+static NONE: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| Arc::from("none"));
+static STATIC: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| Arc::from("static"));
+static EMPTY: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| Arc::from(""));
+
+/// The empty string, shared (a record's route before one is resolved).
+pub fn empty() -> Arc<str> {
+    Arc::clone(&EMPTY)
+}
+
+/// `"none"`, shared (the backend and consumer of a record nothing was resolved for).
+pub fn none() -> Arc<str> {
+    Arc::clone(&NONE)
+}
+
 impl ServedBy {
     /// The record's `backend` string.
     pub fn label(&self) -> Arc<str> {
         match self {
             ServedBy::Backend(id) => id.clone(),
-            ServedBy::Static => Arc::from("static"),
-            ServedBy::None => Arc::from("none"),
+            ServedBy::Static => Arc::clone(&STATIC),
+            ServedBy::None => none(),
         }
     }
 }

@@ -31,9 +31,15 @@ pub(crate) fn value<K: 'static>(
     Some(v)
 }
 
+/// A number as a header value, in one allocation (`HeaderValue::from(u64)` makes two: a
+/// growing buffer, then its conversion).
+pub(crate) fn int(n: u64) -> HeaderValue {
+    HeaderValue::from_str(itoa::Buffer::new().format(n)).unwrap_or_else(|_| HeaderValue::from(n))
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{value, Slot};
+    use super::{int, value, Slot};
     use http::HeaderValue;
     use std::cell::Cell;
 
@@ -64,5 +70,12 @@ mod tests {
         assert!(value(&S, |k| *k == 9, || None).is_none());
         assert_eq!(get(5).unwrap(), "5");
         assert_eq!(made.get(), 3);
+    }
+
+    #[test]
+    fn numbers_read_as_http_writes_them() {
+        for n in [0, 7, 256, 99_999_999_960, u64::MAX] {
+            assert_eq!(int(n), HeaderValue::from(n));
+        }
     }
 }

@@ -158,7 +158,7 @@ pub fn stamp(h: &mut HeaderMap, limits: &[TokenLimit]) {
     if let Some(v) = limit {
         h.insert(H_LIMIT.clone(), v);
     }
-    h.insert(H_REMAINING.clone(), HeaderValue::from(t.remaining));
+    h.insert(H_REMAINING.clone(), header_memo::int(t.remaining));
     if let Some(reset) = t.resets_at_ms {
         let secs = secs_until(reset, now);
         let v = header_memo::value(

@@ -190,7 +190,7 @@ fn bare_record(snap: &Snapshot, path: &str, status: u16) -> Record {
         snap.policy.version.clone(),
         id.clone(),
         id,
-        Arc::from("none"),
+        crate::governor::record::none(),
         Arc::from(&path[..end]),
     )
     .refused_early(ReasonClass::BadRequest, status, "not governed".into())

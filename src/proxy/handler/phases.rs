@@ -117,13 +117,19 @@ fn identify(
                 who.request_id.clone(),
                 who.job_id.clone(),
                 who.consumer.clone(),
-                Arc::from(""),
+                crate::governor::record::empty(),
             );
             rec.team = who.team.clone();
             (rec, Ok(who))
         }
         Err((rid, e)) => {
-            let rec = Record::new(version, rid.clone(), rid, Arc::from("none"), Arc::from(""));
+            let rec = Record::new(
+                version,
+                rid.clone(),
+                rid,
+                crate::governor::record::none(),
+                crate::governor::record::empty(),
+            );
             (rec, Err(e.into()))
         }
     }
@@ -459,14 +465,31 @@ fn cap_header(resp: &mut Response<Body>, rec: &Record, endpoint: Endpoint, clien
     else {
         return;
     };
-    let v = match client {
-        None => HeaderValue::from_str(&format!("{n}; injected")),
-        Some(c) if n < c => HeaderValue::from_str(&format!("{n}; clamped")),
-        Some(_) => Ok(HeaderValue::from(n)),
+    let note = match client {
+        None => "; injected",
+        Some(c) if n < c => "; clamped",
+        Some(_) => "",
     };
-    if let Ok(v) = v {
+    // The cap and its note mostly repeat from one answer to the next.
+    let v = super::super::header_memo::value(
+        &CAP_VALUE,
+        |&(k, kn)| k == n && kn == note,
+        || {
+            let mut s = String::with_capacity(20);
+            s.push_str(itoa::Buffer::new().format(n));
+            s.push_str(note);
+            Some(((n, note), HeaderValue::from_str(&s).ok()?))
+        },
+    );
+    if let Some(v) = v {
         resp.headers_mut().insert(H_OUTPUT_CAP, v);
     }
+}
+
+thread_local! {
+    /// The last `x-tollgate-output-cap` value this thread wrote, by its cap and note.
+    static CAP_VALUE: super::super::header_memo::Slot<(u64, &'static str)> =
+        const { std::cell::RefCell::new(None) };
 }
 
 /// Headers `respond::stamp` and `cap_header` may add to an answer.
