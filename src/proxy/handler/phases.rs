@@ -221,9 +221,16 @@ impl<'a> Ctx<'a> {
         } else {
             estimate_body(self.inb, self.endpoint, tokenizer, bytes)?
         };
+        // The model and id are what another dialect's answer is rendered with; an OpenAI
+        // client's answer goes out as it is (`Rendered::respond`), so they are not copied.
+        let renders = self.inb.dialect != Dialect::OpenAi;
         *self.meta = Meta {
-            model: est.model.clone(),
-            id: self.rec.request_id.to_string(),
+            model: if renders { est.model.clone() } else { String::new() },
+            id: if renders {
+                self.rec.request_id.to_string()
+            } else {
+                String::new()
+            },
             created: crate::units::now_ms().div_euclid(1000),
             input_estimate: est.input_tokens,
             stream: est.stream,
