@@ -308,7 +308,7 @@ mod tests {
         r.reason_class = ReasonClass::HardBudgetExceeded;
         r.http_status = 429;
         r.retry_after = Some(30);
-        r.calls = vec![Arc::from("a"), Arc::from("b\"")];
+        r.calls = smallvec::smallvec![Arc::from("a"), Arc::from("b\"")];
         r.team = Some(Arc::from("team-1"));
         r.upstream_model = Some(Arc::from("m"));
         r.worst_case_usd = f64::NAN;

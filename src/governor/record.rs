@@ -239,7 +239,8 @@ pub struct RecordFields {
     pub http_status: u16,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry_after: Option<u64>,
-    pub calls: Vec<Arc<str>>,
+    /// Inline for the common single call (no allocation); a retry or fallback spills.
+    pub calls: smallvec::SmallVec<[Arc<str>; 1]>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub upstream_max_tokens: Option<u64>,
 
@@ -273,7 +274,8 @@ pub struct RecordFields {
     pub amplification: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub remaining_tokens: Option<u64>,
-    pub attempts: Vec<AttemptRecord>,
+    /// Inline for the common single attempt (no allocation); more spill.
+    pub attempts: smallvec::SmallVec<[AttemptRecord; 1]>,
     pub refusals: Vec<BoundNote>,
     /// The bound that refused this request, as the client reads it (SPEC §3.2).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -318,7 +320,7 @@ impl Record {
                 reason_class: ReasonClass::Ok,
                 http_status: 200,
                 retry_after: None,
-                calls: Vec::new(),
+                calls: smallvec::SmallVec::new(),
                 upstream_max_tokens: None,
                 policy_version,
                 request_id,
@@ -342,7 +344,7 @@ impl Record {
                 job_fallbacks: 0,
                 amplification: 0.0,
                 remaining_tokens: None,
-                attempts: Vec::new(),
+                attempts: smallvec::SmallVec::new(),
                 refusals: Vec::new(),
                 limit: None,
                 token_limits: Vec::new(),

@@ -88,6 +88,40 @@ fn policy_field(limits: &[TokenLimit]) -> String {
     policy
 }
 
+/// Most bound names whose quoted form a thread keeps ([`quoted`]); past it, it starts over.
+const MAX_QUOTED: usize = 64;
+
+thread_local! {
+    /// Bound names (held, so an equal pointer is the same name) and their structured-field
+    /// strings: the `RateLimit` value names every windowed bound on every answer.
+    static QUOTED: std::cell::RefCell<Vec<(std::sync::Arc<str>, Box<str>)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Appends `name` as a structured-field string, from the thread's kept copy when it has one.
+fn quoted(out: &mut String, name: &std::sync::Arc<str>) {
+    let hit = QUOTED.try_with(|q| {
+        let Ok(mut q) = q.try_borrow_mut() else {
+            return false;
+        };
+        if let Some((_, s)) = q.iter().find(|(n, _)| std::sync::Arc::ptr_eq(n, name)) {
+            out.push_str(s);
+            return true;
+        }
+        if q.len() >= MAX_QUOTED {
+            q.clear();
+        }
+        let mut s = String::with_capacity(name.len() + 2);
+        sf_string(&mut s, name);
+        out.push_str(&s);
+        q.push((name.clone(), s.into_boxed_str()));
+        true
+    });
+    if hit != Ok(true) {
+        sf_string(out, name);
+    }
+}
+
 /// The `RateLimit` value: each windowed bound's room and seconds until its window turns.
 fn state_field(limits: &[TokenLimit], now: Millis) -> String {
     let mut state = String::with_capacity(48 * limits.len());
@@ -95,7 +129,7 @@ fn state_field(limits: &[TokenLimit], now: Millis) -> String {
         if !state.is_empty() {
             state.push_str(", ");
         }
-        sf_string(&mut state, &l.name);
+        quoted(&mut state, &l.name);
         state.push_str(";r=");
         push_u64(&mut state, l.remaining);
         state.push_str(";t=");

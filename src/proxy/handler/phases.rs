@@ -225,7 +225,11 @@ impl<'a> Ctx<'a> {
         // client's answer goes out as it is (`Rendered::respond`), so they are not copied.
         let renders = self.inb.dialect != Dialect::OpenAi;
         *self.meta = Meta {
-            model: if renders { est.model.clone() } else { String::new() },
+            model: if renders {
+                est.model.clone()
+            } else {
+                String::new()
+            },
             id: if renders {
                 self.rec.request_id.to_string()
             } else {
