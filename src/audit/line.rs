@@ -92,7 +92,12 @@ fn record(w: &mut Line<'_>, r: &Record) -> io::Result<()> {
         w.int(k!("remaining_tokens"), v);
     }
     w.array(k!("attempts"), &r.attempts, attempt)?;
-    w.serde(k!("refusals"), &r.refusals)?;
+    if r.refusals.is_empty() {
+        w.key(k!("refusals"));
+        w.out.extend_from_slice(b"[]");
+    } else {
+        w.serde(k!("refusals"), &r.refusals)?;
+    }
     if let Some(l) = &r.limit {
         w.serde(k!("limit"), l)?;
     }
@@ -140,6 +145,12 @@ fn attempt(out: &mut Vec<u8>, a: &AttemptRecord) -> io::Result<()> {
     Ok(())
 }
 
+thread_local! {
+    /// The last few numbers `Line::f64` formatted (their bits and text, round-robin).
+    static FLOATS: std::cell::RefCell<([(u64, [u8; 32], u8); 4], usize)> =
+        const { std::cell::RefCell::new(([(0, [0; 32], 0); 4], 0)) };
+}
+
 /// An object being written into the line's buffer: its members' separators. Appends to a
 /// `Vec` cannot fail; only `serde_json`'s parts return errors.
 struct Line<'a> {
@@ -185,14 +196,50 @@ impl Line<'_> {
     }
 
     /// As `serde_json` writes an `f64`: shortest round-trip digits, `null` when not finite.
+    /// A whole number (an amplification of 1.0) is written as an integer and `.0`; a number
+    /// among the last few written (an attempt's worst cost is its request's when it made one,
+    /// and consecutive lines share prices) is copied as it was written.
     fn f64(&mut self, k: &'static str, v: f64) -> io::Result<()> {
         self.key(k);
-        if v.is_finite() {
-            CompactFormatter.write_f64(self.out, v)
-        } else {
+        if !v.is_finite() {
             self.out.extend_from_slice(b"null");
-            Ok(())
+            return Ok(());
         }
+        if v.fract() == 0.0 && v.abs() < 1e15 && !(v == 0.0 && v.is_sign_negative()) {
+            self.out
+                .extend_from_slice(itoa::Buffer::new().format(v as i64).as_bytes());
+            self.out.extend_from_slice(b".0");
+            return Ok(());
+        }
+        let bits = v.to_bits();
+        let hit = FLOATS
+            .try_with(|f| {
+                let f = f.borrow();
+                f.0.iter()
+                    .find(|(b, _, n)| *b == bits && *n > 0)
+                    .map(|(_, text, n)| self.out.extend_from_slice(&text[..usize::from(*n)]))
+                    .is_some()
+            })
+            .unwrap_or(false);
+        if hit {
+            return Ok(());
+        }
+        let at = self.out.len();
+        CompactFormatter.write_f64(self.out, v)?;
+        let written = &self.out[at..];
+        if let Ok(n) = u8::try_from(written.len()) {
+            if written.len() <= 32 {
+                let mut text = [0u8; 32];
+                text[..written.len()].copy_from_slice(written);
+                let _ = FLOATS.try_with(|f| {
+                    let mut f = f.borrow_mut();
+                    let slot = f.1 % f.0.len();
+                    f.0[slot] = (bits, text, n);
+                    f.1 = f.1.wrapping_add(1);
+                });
+            }
+        }
+        Ok(())
     }
 
     /// `"k":[…]`, each item written by `item`.
@@ -241,6 +288,56 @@ mod tests {
         AlertNote, BoundNote, BudgetState, CircuitState, FinalAction, ReasonClass, RetryState,
     };
     use std::sync::Arc;
+
+    #[test]
+    fn numbers_are_written_as_serde_writes_them() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let mut vs = vec![
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            1.5,
+            4e-6,
+            0.000029,
+            1e15,
+            1e15 - 1.0,
+            1e16,
+            123456789.0,
+            f64::MAX,
+            f64::MIN_POSITIVE,
+            5e-324,
+            -2.5e-308,
+            147.70893700000002,
+            f64::NAN,
+            f64::INFINITY,
+        ];
+        for _ in 0..20_000 {
+            let r = next();
+            vs.push(match r % 4 {
+                0 => f64::from_bits(next()),
+                1 => (next() % 1_000_000) as f64 / 1000.0,
+                2 => (next() % 10_000) as f64,
+                _ => vs[(next() % vs.len() as u64) as usize],
+            });
+        }
+        for v in vs {
+            let mut out = Vec::new();
+            let mut w = Line {
+                out: &mut out,
+                first: true,
+            };
+            w.f64(",\"k\":", v).unwrap();
+            let want = format!("\"k\":{}", serde_json::to_string(&v).unwrap());
+            assert_eq!(String::from_utf8(out).unwrap(), want, "{v:e}");
+        }
+    }
 
     fn by_hand(e: &Entry) -> String {
         let mut v = Vec::new();
