@@ -216,6 +216,41 @@ pub struct NativeBody<'a> {
     pub body: &'a [u8],
 }
 
+/// Most upstream URLs a thread keeps parsed ([`upstream_uri`]); past it, it starts over.
+const MAX_URIS: usize = 16;
+
+thread_local! {
+    /// Upstream URLs and their parsed `Uri`s: a backend's URL for an endpoint is the same on
+    /// every call, and parsing it cost ~900 instructions a call where a clone of the parsed
+    /// one costs a few reference counts.
+    static URIS: std::cell::RefCell<Vec<(String, http::Uri)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `url` parsed, from the thread's kept copy when it has one.
+fn upstream_uri(url: String) -> Result<http::Uri, http::uri::InvalidUri> {
+    let kept = URIS
+        .try_with(|u| {
+            let u = u.try_borrow().ok()?;
+            u.iter().find(|(k, _)| *k == url).map(|(_, v)| v.clone())
+        })
+        .ok()
+        .flatten();
+    if let Some(uri) = kept {
+        return Ok(uri);
+    }
+    let uri = http::Uri::try_from(url.as_str())?;
+    let _ = URIS.try_with(|u| {
+        if let Ok(mut u) = u.try_borrow_mut() {
+            if u.len() >= MAX_URIS {
+                u.clear();
+            }
+            u.push((url, uri.clone()));
+        }
+    });
+    Ok(uri)
+}
+
 /// Client headers that never go upstream: hop-by-hop, credentials, our own.
 fn forwardable(name: &http::HeaderName) -> bool {
     let n = name.as_str();
@@ -318,7 +353,8 @@ impl Call<'_> {
                 })?
             }
         };
-        let mut req = Request::builder().method(Method::POST).uri(native.url);
+        let uri = upstream_uri(native.url).map_err(|e| Untranslatable(e.to_string()))?;
+        let mut req = Request::builder().method(Method::POST).uri(uri);
         let h = req
             .headers_mut()
             .ok_or_else(|| Untranslatable("bad request builder".into()))?;
@@ -594,5 +630,28 @@ impl Upstream for Call<'_> {
         spec: CallSpec<'_>,
     ) -> impl Future<Output = CallResult<Box<UpstreamResponse>>> + Send {
         self.attempt(spec)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{upstream_uri, MAX_URIS};
+
+    #[test]
+    fn kept_urls_parse_as_fresh_ones_and_bad_ones_are_refused() {
+        // More distinct URLs than a thread keeps, twice over: each reads as a fresh parse.
+        for round in 0..2 {
+            for i in 0..MAX_URIS + 3 {
+                let url = format!(
+                    "http://127.0.0.1:{}/v1/chat/completions?r={round}",
+                    18000 + i
+                );
+                let kept = upstream_uri(url.clone()).unwrap();
+                assert_eq!(kept, http::Uri::try_from(url.as_str()).unwrap());
+                assert_eq!(upstream_uri(url.clone()).unwrap(), kept);
+            }
+        }
+        assert!(upstream_uri("http://exa mple.com/v1".into()).is_err());
+        assert!(upstream_uri(String::new()).is_err());
     }
 }
