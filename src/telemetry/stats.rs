@@ -142,14 +142,54 @@ impl BackendStats {
 }
 
 /// Every backend seen since start, by id.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Stats {
     map: ArcSwap<HashMap<Arc<str>, Arc<BackendStats>, foldhash::quality::RandomState>>,
+    /// This instance among all made in the process (what a thread's kept look-up is of).
+    instance: u64,
+}
+
+impl Default for Stats {
+    fn default() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Stats {
+            map: ArcSwap::default(),
+            instance: NEXT.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+}
+
+type KeptBackend = Option<(u64, Arc<str>, Arc<BackendStats>)>;
+
+thread_local! {
+    /// The backend stats this thread found last ([`Stats::backend`]).
+    static LAST_BACKEND: std::cell::RefCell<KeptBackend> = const { std::cell::RefCell::new(None) };
 }
 
 impl Stats {
-    /// The stats of `id`, created on first use (rare: once per backend id).
+    /// The stats of `id`, created on first use (rare: once per backend id). The last one a
+    /// thread found is kept with its id (held, so an equal pointer is the same id) and the
+    /// `Stats` it came from: consecutive requests mostly go to one backend, and the map's
+    /// snapshot load and hash cost ~200 instructions a look-up. Entries are never removed,
+    /// so a kept one stays the map's.
     pub fn backend(&self, id: &Arc<str>) -> Arc<BackendStats> {
+        let me = self.instance;
+        let kept = LAST_BACKEND
+            .try_with(|l| match &*l.borrow() {
+                Some((at, k, s)) if *at == me && Arc::ptr_eq(k, id) => Some(s.clone()),
+                _ => None,
+            })
+            .ok()
+            .flatten();
+        if let Some(s) = kept {
+            return s;
+        }
+        let s = self.find_or_add(id);
+        let _ = LAST_BACKEND.try_with(|l| *l.borrow_mut() = Some((me, id.clone(), s.clone())));
+        s
+    }
+
+    fn find_or_add(&self, id: &Arc<str>) -> Arc<BackendStats> {
         if let Some(s) = self.map.load().get(id) {
             return s.clone();
         }
@@ -206,4 +246,25 @@ pub fn escape(v: &str) -> String {
     v.replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Stats;
+    use std::sync::Arc;
+
+    #[test]
+    fn a_kept_look_up_is_of_its_own_stats() {
+        let id: Arc<str> = Arc::from("b1");
+        let (a, b) = (Stats::default(), Stats::default());
+        let sa = a.backend(&id);
+        // The same id in another `Stats` (the thread keeps `a`'s): `b`'s own entry.
+        let sb = b.backend(&id);
+        assert!(!Arc::ptr_eq(&sa, &sb));
+        assert!(Arc::ptr_eq(&b.backend(&id), &sb));
+        assert!(Arc::ptr_eq(&a.backend(&id), &sa));
+        // An equal id under another pointer finds the same entry through the map.
+        assert!(Arc::ptr_eq(&a.backend(&Arc::from("b1")), &sa));
+        assert!(Arc::ptr_eq(&a.get("b1").unwrap(), &sa));
+    }
 }
