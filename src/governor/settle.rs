@@ -56,11 +56,18 @@ impl Governor {
             }));
             for &bi in &part.bounds {
                 let b = &policy.bounds[bi];
+                // Most bounds have neither a soft limit nor alerts: nothing to look at.
+                if b.soft.is_empty() && b.alert_at.is_empty() {
+                    continue;
+                }
                 for d in Dim::ALL {
-                    if b.soft.as_array()[d as usize].is_some_and(|s| now.get(d) > s) {
+                    if b.soft.get(d).is_some_and(|s| now.get(d) > s) {
                         soft = true;
                     }
-                    if let Some(limit) = b.hard.as_array()[d as usize] {
+                    if b.alert_at.is_empty() {
+                        continue;
+                    }
+                    if let Some(limit) = b.hard.get(d) {
                         for &a in &b.alert_at {
                             let at = (limit as f64 * a).ceil() as u64;
                             if prev.get(d) < at && now.get(d) >= at {

@@ -381,6 +381,14 @@ impl Limits {
     pub fn as_array(&self) -> [Option<u64>; 3] {
         [self.tokens, self.requests, self.usd]
     }
+    /// The limit in dimension `d`.
+    pub fn get(&self, d: crate::units::Dim) -> Option<u64> {
+        match d {
+            crate::units::Dim::Tokens => self.tokens,
+            crate::units::Dim::Requests => self.requests,
+            crate::units::Dim::Usd => self.usd,
+        }
+    }
     pub fn is_empty(&self) -> bool {
         self.tokens.is_none() && self.requests.is_none() && self.usd.is_none()
     }
