@@ -163,6 +163,9 @@ struct Request<'a, U, C> {
     /// The primary's worst case in tokens, and the cap on this request's attempts' sum.
     primary_worst: u64,
     amp_cap: u64,
+    /// The primary's backend and circuit, found once for the record's circuit state and
+    /// used again when the primary is admitted (one look-up in the circuits' map, not two).
+    primary: (&'a Backend, Arc<Circuit>),
 }
 
 /// The record being written and the facts the walk has gathered for its end.
@@ -323,7 +326,8 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
         let n = u64::from(ctx.n.max(1));
 
         let primary = &policy.backends[route.chain[0].backend];
-        rec.circuit_state = gov.circuit(&primary.id).state_at(start);
+        let primary_circuit = gov.circuit(&primary.id);
+        rec.circuit_state = primary_circuit.state_at(start);
         rec.estimated_input_tokens = ctx.input_tokens;
         rec.retry_budget = policy.retry.max_attempts_per_job;
         let per_choice = output_cap(policy, route, ctx, &parts, n, &mut rec);
@@ -348,6 +352,7 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
             per_choice,
             primary_worst,
             amp_cap,
+            primary: (primary, primary_circuit),
         };
         (req, Walk::new(rec))
     }
@@ -523,7 +528,11 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
         entry: &Entry<'_>,
         now: Millis,
     ) -> Result<Admitted, Flow> {
-        let circuit = self.gov.circuit(&entry.backend.id);
+        let circuit = if std::ptr::eq(entry.backend, self.primary.0) {
+            self.primary.1.clone()
+        } else {
+            self.gov.circuit(&entry.backend.id)
+        };
         let before = circuit.state_at(now);
         let probe = match circuit.admit(now, &entry.backend.circuit) {
             Admission::Normal => None,
