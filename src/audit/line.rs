@@ -145,9 +145,12 @@ fn attempt(out: &mut Vec<u8>, a: &AttemptRecord) -> io::Result<()> {
     Ok(())
 }
 
+/// A number `Line::f64` formatted: its bits, its text and the text's length.
+type Formatted = (u64, [u8; 32], u8);
+
 thread_local! {
-    /// The last few numbers `Line::f64` formatted (their bits and text, round-robin).
-    static FLOATS: std::cell::RefCell<([(u64, [u8; 32], u8); 4], usize)> =
+    /// The last few numbers `Line::f64` formatted (round-robin: the slots and the next one).
+    static FLOATS: std::cell::RefCell<([Formatted; 4], usize)> =
         const { std::cell::RefCell::new(([(0, [0; 32], 0); 4], 0)) };
 }
 
