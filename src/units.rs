@@ -44,8 +44,17 @@ thread_local! {
 /// zeros). The date and time of day are formatted once a second per thread and kept; the
 /// fraction is written each time (jiff's printer cost ~620 instructions a record).
 pub fn rfc3339((secs, nanos): (i64, u32)) -> String {
+    // Outside years 0-9999 (never from a clock), or on a thread past its locals: jiff writes
+    // it whole.
+    let whole = || {
+        jiff::Timestamp::new(secs, nanos as i32)
+            .map(|t| t.to_string())
+            .unwrap_or_default()
+    };
     let mut out = String::with_capacity(32);
-    let (last, mut head) = SECOND.with(std::cell::Cell::get);
+    let Ok((last, mut head)) = SECOND.try_with(std::cell::Cell::get) else {
+        return whole();
+    };
     if last != secs {
         let Some(h) = jiff::Timestamp::from_second(secs)
             .ok()
@@ -53,13 +62,10 @@ pub fn rfc3339((secs, nanos): (i64, u32)) -> String {
             .filter(|h| h.len() == 20 && h.ends_with('Z'))
             .and_then(|h| <[u8; 19]>::try_from(&h.as_bytes()[..19]).ok())
         else {
-            // Outside years 0-9999 (never from a clock): jiff writes it whole.
-            return jiff::Timestamp::new(secs, nanos as i32)
-                .map(|t| t.to_string())
-                .unwrap_or_default();
+            return whole();
         };
         head = h;
-        SECOND.with(|c| c.set((secs, head)));
+        let _ = SECOND.try_with(|c| c.set((secs, head)));
     }
     out.push_str(std::str::from_utf8(&head).unwrap_or_default());
     if nanos > 0 {
