@@ -1,6 +1,7 @@
 //! Header values that repeat from answer to answer, kept per thread: the last value made for a
 //! key is handed out again (a clone of its shared bytes) while the key stays the same, instead
-//! of being formatted, validated and allocated anew on every answer.
+//! of being formatted, validated and allocated anew on every answer. [`listed`] keeps a few
+//! keys' values at once, for pieces that alternate (upstream URLs, bound names).
 
 use http::HeaderValue;
 use std::cell::RefCell;
@@ -31,6 +32,42 @@ pub(crate) fn value<K: 'static>(
     Some(v)
 }
 
+/// A thread's short list of keys and the values made from them ([`listed`]).
+pub(crate) type List<K, V> = RefCell<Vec<(K, V)>>;
+
+/// `read` of the value kept for the key `same` accepts; else `make`'s key and value (an error
+/// is returned as it is), kept in the list (which starts over past `max` entries) and read.
+/// A thread past its locals, or a list already in use, makes and reads without keeping.
+pub(crate) fn listed<K: 'static, V: 'static, R, E>(
+    list: &'static LocalKey<List<K, V>>,
+    max: usize,
+    same: impl Fn(&K) -> bool,
+    make: impl FnOnce() -> Result<(K, V), E>,
+    mut read: impl FnMut(&V) -> R,
+) -> Result<R, E> {
+    let kept = list
+        .try_with(|l| {
+            let l = l.try_borrow().ok()?;
+            l.iter().find(|(k, _)| same(k)).map(|(_, v)| read(v))
+        })
+        .ok()
+        .flatten();
+    if let Some(r) = kept {
+        return Ok(r);
+    }
+    let (k, v) = make()?;
+    let r = read(&v);
+    let _ = list.try_with(|l| {
+        if let Ok(mut l) = l.try_borrow_mut() {
+            if l.len() >= max {
+                l.clear();
+            }
+            l.push((k, v));
+        }
+    });
+    Ok(r)
+}
+
 /// A number as a header value, in one allocation (`HeaderValue::from(u64)` makes two: a
 /// growing buffer, then its conversion).
 pub(crate) fn int(n: u64) -> HeaderValue {
@@ -39,7 +76,7 @@ pub(crate) fn int(n: u64) -> HeaderValue {
 
 #[cfg(test)]
 mod tests {
-    use super::{int, value, Slot};
+    use super::{int, listed, value, List, Slot};
     use http::HeaderValue;
     use std::cell::Cell;
 
@@ -77,5 +114,41 @@ mod tests {
         for n in [0, 7, 256, 99_999_999_960, u64::MAX] {
             assert_eq!(int(n), HeaderValue::from(n));
         }
+    }
+
+    thread_local! {
+        static L: List<u64, String> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+
+    #[test]
+    fn a_list_keeps_a_few_values_and_starts_over_past_its_bound() {
+        let made = Cell::new(0);
+        let get = |n: u64| -> Result<String, ()> {
+            listed(
+                &L,
+                3,
+                |k| *k == n,
+                || {
+                    made.set(made.get() + 1);
+                    if n == 99 {
+                        return Err(());
+                    }
+                    Ok((n, n.to_string()))
+                },
+                String::clone,
+            )
+        };
+        for n in [1, 2, 3, 1, 2, 3] {
+            assert_eq!(get(n).unwrap(), n.to_string());
+        }
+        assert_eq!(made.get(), 3, "three keys alternate: each made once");
+        // A fourth key starts the list over: the first ones are made again.
+        assert_eq!(get(4).unwrap(), "4");
+        assert_eq!(get(1).unwrap(), "1");
+        assert_eq!(made.get(), 5);
+        // An error is handed back and nothing is kept for it.
+        assert_eq!(get(99), Err(()));
+        assert_eq!(get(99), Err(()));
+        assert_eq!(made.get(), 7);
     }
 }

@@ -94,32 +94,24 @@ const MAX_QUOTED: usize = 64;
 thread_local! {
     /// Bound names (held, so an equal pointer is the same name) and their structured-field
     /// strings: the `RateLimit` value names every windowed bound on every answer.
-    static QUOTED: std::cell::RefCell<Vec<(std::sync::Arc<str>, Box<str>)>> =
+    static QUOTED: header_memo::List<std::sync::Arc<str>, Box<str>> =
         const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Appends `name` as a structured-field string, from the thread's kept copy when it has one.
 fn quoted(out: &mut String, name: &std::sync::Arc<str>) {
-    let hit = QUOTED.try_with(|q| {
-        let Ok(mut q) = q.try_borrow_mut() else {
-            return false;
-        };
-        if let Some((_, s)) = q.iter().find(|(n, _)| std::sync::Arc::ptr_eq(n, name)) {
-            out.push_str(s);
-            return true;
-        }
-        if q.len() >= MAX_QUOTED {
-            q.clear();
-        }
-        let mut s = String::with_capacity(name.len() + 2);
-        sf_string(&mut s, name);
-        out.push_str(&s);
-        q.push((name.clone(), s.into_boxed_str()));
-        true
-    });
-    if hit != Ok(true) {
-        sf_string(out, name);
-    }
+    let s = header_memo::listed(
+        &QUOTED,
+        MAX_QUOTED,
+        |n| std::sync::Arc::ptr_eq(n, name),
+        || {
+            let mut s = String::with_capacity(name.len() + 2);
+            sf_string(&mut s, name);
+            Ok::<_, std::convert::Infallible>((name.clone(), s.into_boxed_str()))
+        },
+        |s| out.push_str(s),
+    );
+    let Ok(()) = s;
 }
 
 /// The `RateLimit` value: each windowed bound's room and seconds until its window turns.

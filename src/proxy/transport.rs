@@ -223,32 +223,19 @@ thread_local! {
     /// Upstream URLs and their parsed `Uri`s: a backend's URL for an endpoint is the same on
     /// every call, and parsing it cost ~900 instructions a call where a clone of the parsed
     /// one costs a few reference counts.
-    static URIS: std::cell::RefCell<Vec<(String, http::Uri)>> =
+    static URIS: super::header_memo::List<String, http::Uri> =
         const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `url` parsed, from the thread's kept copy when it has one.
 fn upstream_uri(url: String) -> Result<http::Uri, http::uri::InvalidUri> {
-    let kept = URIS
-        .try_with(|u| {
-            let u = u.try_borrow().ok()?;
-            u.iter().find(|(k, _)| *k == url).map(|(_, v)| v.clone())
-        })
-        .ok()
-        .flatten();
-    if let Some(uri) = kept {
-        return Ok(uri);
-    }
-    let uri = http::Uri::try_from(url.as_str())?;
-    let _ = URIS.try_with(|u| {
-        if let Ok(mut u) = u.try_borrow_mut() {
-            if u.len() >= MAX_URIS {
-                u.clear();
-            }
-            u.push((url, uri.clone()));
-        }
-    });
-    Ok(uri)
+    super::header_memo::listed(
+        &URIS,
+        MAX_URIS,
+        |k| *k == url,
+        || http::Uri::try_from(url.as_str()).map(|uri| (url.clone(), uri)),
+        http::Uri::clone,
+    )
 }
 
 /// Client headers that never go upstream: hop-by-hop, credentials, our own.

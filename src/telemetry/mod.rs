@@ -166,7 +166,6 @@ fn record(entry: &Entry, overhead: bool, today: UsageWindows, alerts: &AlertsCfg
     let now = crate::units::now_ms();
     let minute = now.div_euclid(60_000);
     let mut upstream_ms = 0i64;
-    let mut last = None;
     for a in &rec.attempts {
         if a.attempt == 0 {
             // Skipped without a call (saturated, untranslatable): not an upstream attempt.
@@ -177,12 +176,9 @@ fn record(entry: &Entry, overhead: bool, today: UsageWindows, alerts: &AlertsCfg
             "ok" | "not_retryable" => None,
             class => Some(class),
         };
-        let stats = t.stats.backend(&a.backend);
-        stats.attempt(minute, failure, a.latency_ms);
-        if a.backend == rec.backend {
-            // The served backend's usage below is added to the same stats: one look-up.
-            last = Some(stats);
-        }
+        t.stats
+            .backend(&a.backend)
+            .attempt(minute, failure, a.latency_ms);
     }
     if overhead {
         let ms = (entry.latency_ms - upstream_ms as f64).max(0.0);
@@ -196,7 +192,8 @@ fn record(entry: &Entry, overhead: bool, today: UsageWindows, alerts: &AlertsCfg
             .upstream_model
             .clone()
             .unwrap_or_else(|| Arc::from("unknown"));
-        last.unwrap_or_else(|| t.stats.backend(&rec.backend)).usage(
+        // The served attempt's look-up is the thread's kept one (`Stats::backend`).
+        t.stats.backend(&rec.backend).usage(
             today,
             &model,
             rec.actual_input_tokens,
