@@ -197,7 +197,7 @@ pub struct AlertNote {
 
 /// The full decision for one governed request: its fields ([`RecordFields`]) in one box, so
 /// the record moves between the phases of a request, the governor, the audit queue and the
-/// trace as a pointer (the fields are ~600 bytes: each move was a `memcpy` of ~90
+/// trace as a pointer (the fields are ~700 bytes: each move was a `memcpy` of ~90
 /// instructions, ~15 of them a request). Reads and writes of its fields go through `Deref`.
 #[derive(Clone, Serialize)]
 #[serde(transparent)]
