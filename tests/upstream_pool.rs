@@ -1,15 +1,16 @@
-//! The own keep-alive pool for cleartext HTTP/1 upstreams (`tollgate::proxy::pool`), against a
-//! raw TCP upstream that counts its connections and can close them behind the pool's back.
+//! The own keep-alive pool and HTTP/1 client of cleartext upstreams (`tollgate::proxy::pool`),
+//! against a raw TCP upstream that counts its connections, can close them behind the pool's
+//! back, and can answer in every framing (or in none).
 
 use bytes::Bytes;
 use http::Request;
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
-use tollgate::proxy::pool::{Lease, Pools};
+use tollgate::proxy::pool::{Pools, SendError, UpstreamBody};
 
 const ANSWER: &str = "{\"ok\":true}";
 
@@ -21,6 +22,10 @@ enum After {
     SilentClose,
     /// Sends the body in two writes some time apart (a slow body).
     SlowBody,
+    /// Answers in chunks, one write each, some time apart (a stream).
+    Chunked,
+    /// Answers with these bytes, then closes.
+    Raw(&'static str),
 }
 
 struct Upstream {
@@ -73,6 +78,25 @@ async fn upstream(after: After) -> Upstream {
                         ANSWER.len()
                     );
                     match after {
+                        After::Raw(bytes) => {
+                            let _ = s.write_all(bytes.as_bytes()).await;
+                            return;
+                        }
+                        After::Chunked => {
+                            let _ = s
+                                .write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                                .await;
+                            for piece in ANSWER.as_bytes().chunks(3) {
+                                let chunk = format!(
+                                    "{:x}\r\n{}\r\n",
+                                    piece.len(),
+                                    std::str::from_utf8(piece).unwrap()
+                                );
+                                let _ = s.write_all(chunk.as_bytes()).await;
+                                tokio::time::sleep(Duration::from_millis(5)).await;
+                            }
+                            let _ = s.write_all(b"0\r\n\r\n").await;
+                        }
                         After::SlowBody => {
                             let (a, b) = ANSWER.split_at(4);
                             let _ = s.write_all(format!("{head}{a}").as_bytes()).await;
@@ -97,21 +121,19 @@ fn find(h: &[u8], n: &[u8]) -> Option<usize> {
     h.windows(n.len()).position(|w| w == n)
 }
 
-fn request(addr: std::net::SocketAddr) -> Request<Full<Bytes>> {
+fn request(addr: std::net::SocketAddr) -> Request<Bytes> {
     Request::post(format!("http://{addr}/v1/chat/completions"))
-        .body(Full::new(Bytes::from_static(b"{\"model\":\"m\"}")))
+        .body(Bytes::from_static(b"{\"model\":\"m\"}"))
         .unwrap()
 }
 
 async fn call(pools: &Pools, addr: std::net::SocketAddr) -> Bytes {
-    let (resp, lease) = pools
+    let resp = pools
         .send(request(addr), Duration::from_secs(2))
         .await
         .expect("an answer");
     assert_eq!(resp.status(), 200);
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
-    drop(lease);
-    body
+    resp.into_body().collect().await.unwrap().to_bytes()
 }
 
 #[tokio::test]
@@ -188,56 +210,187 @@ async fn a_connection_the_upstream_closed_is_not_reused() {
     let pools = Pools::default();
     for i in 1..=5 {
         assert_eq!(call(&pools, up.addr).await, ANSWER);
-        // Give the connection's driver time to see the close.
+        // Give the runtime's reactor time to see the close.
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert_eq!(up.accepted.load(Ordering::SeqCst), i);
     }
 }
 
 /// A request to a slow-bodied upstream, its answer's head in hand and its body still arriving.
-async fn slow_answer() -> (
-    Upstream,
-    Pools,
-    http::Response<hyper::body::Incoming>,
-    Lease,
-) {
+async fn slow_answer() -> (Upstream, Pools, http::Response<UpstreamBody>) {
     let up = upstream(After::SlowBody).await;
     let pools = Pools::default();
-    let (resp, lease) = pools
+    let resp = pools
         .send(request(up.addr), Duration::from_secs(2))
         .await
         .unwrap();
-    (up, pools, resp, lease)
+    (up, pools, resp)
 }
 
 #[tokio::test]
-async fn a_lease_dropped_before_its_body_is_read_comes_back_once_idle() {
-    let (up, pools, resp, lease) = slow_answer().await;
-    // As a stream's lease: dropped while the body is still arriving.
-    drop(lease);
+async fn a_connection_comes_back_once_its_body_is_read_to_the_end() {
+    let (up, pools, resp) = slow_answer().await;
     assert_eq!(pools.idle(&up.addr.to_string()), 0);
     let body = resp.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(body, ANSWER);
-    for _ in 0..100 {
-        if pools.idle(&up.addr.to_string()) == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
     assert_eq!(pools.idle(&up.addr.to_string()), 1);
     assert_eq!(call(&pools, up.addr).await, ANSWER);
     assert_eq!(up.accepted.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test]
+async fn a_body_that_came_with_its_head_is_taken_whole_and_one_still_coming_is_not() {
+    let up = upstream(After::KeepAlive).await;
+    let pools = Pools::default();
+    let mut body = pools
+        .send(request(up.addr), Duration::from_secs(2))
+        .await
+        .unwrap()
+        .into_body();
+    // Over the limit: left to be read (and refused) the slow way.
+    assert_eq!(body.arrived(ANSWER.len() - 1), None);
+    assert_eq!(body.arrived(ANSWER.len()).unwrap(), ANSWER);
+    assert_eq!(pools.idle(&up.addr.to_string()), 1);
+    let (_up, _pools, resp) = slow_answer().await;
+    let mut body = resp.into_body();
+    assert_eq!(body.arrived(1 << 20), None);
+    assert_eq!(body.collect().await.unwrap().to_bytes(), ANSWER);
+}
+
+#[tokio::test]
 async fn a_body_dropped_unread_closes_its_connection() {
-    let (up, pools, resp, lease) = slow_answer().await;
+    let (up, pools, resp) = slow_answer().await;
     drop(resp);
-    drop(lease);
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(pools.idle(&up.addr.to_string()), 0);
     assert_eq!(call(&pools, up.addr).await, ANSWER);
     assert_eq!(up.accepted.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn a_chunked_answer_arrives_piece_by_piece_and_its_connection_is_reused() {
+    let up = upstream(After::Chunked).await;
+    let pools = Pools::default();
+    let resp = pools
+        .send(request(up.addr), Duration::from_secs(2))
+        .await
+        .unwrap();
+    let mut body = resp.into_body();
+    let mut pieces = Vec::new();
+    while let Some(f) = body.frame().await {
+        pieces.push(f.unwrap().into_data().unwrap());
+    }
+    // Each chunk is handed on as it comes, not gathered.
+    assert!(pieces.len() >= 3, "{pieces:?}");
+    assert_eq!(pieces.concat(), ANSWER.as_bytes());
+    assert_eq!(pools.idle(&up.addr.to_string()), 1);
+    assert_eq!(call(&pools, up.addr).await, ANSWER);
+    assert_eq!(up.accepted.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn an_answer_read_to_the_close_is_whole_and_its_connection_not_reused() {
+    let up = upstream(After::Raw(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nall of it",
+    ))
+    .await;
+    let pools = Pools::default();
+    let resp = pools
+        .send(request(up.addr), Duration::from_secs(2))
+        .await
+        .unwrap();
+    assert_eq!(resp.headers()["content-type"], "text/plain");
+    assert_eq!(
+        resp.into_body().collect().await.unwrap().to_bytes(),
+        "all of it"
+    );
+    assert_eq!(pools.idle(&up.addr.to_string()), 0);
+}
+
+#[tokio::test]
+async fn interim_answers_are_skipped() {
+    let up = upstream(After::Raw(
+        "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
+    ))
+    .await;
+    let pools = Pools::default();
+    let resp = pools
+        .send(request(up.addr), Duration::from_secs(2))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers().get("link").is_none());
+    assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "ok");
+}
+
+/// An upstream that answers with `bytes` and closes: the answer is refused or its body fails,
+/// never read as something it is not, and the connection is never pooled.
+async fn hostile(bytes: &'static str) -> Result<Bytes, &'static str> {
+    let up = upstream(After::Raw(bytes)).await;
+    let pools = Pools::default();
+    let r = match pools.send(request(up.addr), Duration::from_secs(2)).await {
+        Err(SendError::Broken) => Err("no head"),
+        Err(SendError::Connect) => panic!("connected"),
+        Ok(resp) => match resp.into_body().collect().await {
+            Ok(b) => Ok(b.to_bytes()),
+            Err(_) => Err("broken body"),
+        },
+    };
+    assert_eq!(pools.idle(&up.addr.to_string()), 0, "{bytes:?}");
+    r
+}
+
+#[tokio::test]
+async fn hostile_upstreams_get_an_error_never_a_wrong_answer() {
+    let huge: &'static str = Box::leak(
+        format!(
+            "HTTP/1.1 200 OK\r\nx-big: {}\r\n\r\n",
+            "a".repeat(70 * 1024)
+        )
+        .into_boxed_str(),
+    );
+    let endless_interim: &'static str =
+        Box::leak("HTTP/1.1 100 Continue\r\n\r\n".repeat(40).into_boxed_str());
+    for (bytes, expect) in [
+        ("", Err("no head")),
+        ("HTTP/1.1 200 OK\r\ncontent-len", Err("no head")),
+        ("not http at all\r\n\r\n", Err("no head")),
+        (huge, Err("no head")),
+        (endless_interim, Err("no head")),
+        ("HTTP/1.1 101 Switching Protocols\r\n\r\n", Err("no head")),
+        (
+            "HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\nab",
+            Err("no head"),
+        ),
+        (
+            "HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nshort",
+            Err("broken body"),
+        ),
+        (
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nab",
+            Err("broken body"),
+        ),
+        (
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nfffffffffffffffff\r\n",
+            Err("broken body"),
+        ),
+        (
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nokXX0\r\n\r\n",
+            Err("broken body"),
+        ),
+        // More than the length said: the body is the length, and the connection not reused.
+        (
+            "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokEXTRA",
+            Ok(Bytes::from_static(b"ok")),
+        ),
+    ] {
+        assert_eq!(
+            hostile(bytes).await,
+            expect,
+            "{:?}",
+            &bytes[..bytes.len().min(80)]
+        );
+    }
 }
 
 #[tokio::test]

@@ -4,6 +4,7 @@
 mod conn;
 mod encoding;
 pub mod finish;
+pub mod h1;
 pub mod handler;
 mod header_memo;
 pub mod identity;

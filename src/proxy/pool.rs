@@ -1,43 +1,42 @@
 //! Keep-alive connections to cleartext HTTP/1 upstreams (a local Ollama, vLLM, an in-cluster
-//! gateway), pooled per authority over hyper's `client::conn` API.
+//! gateway), pooled per authority, each spoken to by the task that makes the call
+//! ([`super::h1`]).
 //!
-//! hyper-util's pooled client costs ~11,800 instructions per request on the bench request
-//! (a SipHash map and a mutex per checkout and per return, and a task spawned per request to
-//! put the connection back once its answer is read). Here an idle connection waits in a
-//! lock-free queue per authority; a lease taken from it goes back when dropped, straight away
-//! when the connection is already idle (a buffered answer read whole) and otherwise through a
-//! small task that waits for it to become idle (a stream the client is still reading). TLS
-//! upstreams keep hyper-util's client (HTTP/2 by ALPN).
+//! hyper-util's pooled client cost ~11,800 instructions per request on the bench request;
+//! hyper's own `client::conn` over this pool still ~13,000 (a connection task per connection,
+//! woken through a channel for every request and every piece of its body, and a header map
+//! parsed for it). Here the request's own task writes the request, parses the answer's head
+//! and reads its body: no task, no channel. An idle connection waits in a lock-free queue per
+//! authority; the body that read an answer to its end puts the connection back (a body
+//! dropped before its end closes it). TLS upstreams keep hyper-util's client (HTTP/2 by ALPN).
 //!
 //! The idle queue of an authority has one lane per connection worker
-//! ([`super::workers::lane`]): a connection's driver runs on the runtime that dialed it, so
-//! it is only reused from there (never driven by one worker for another's requests).
+//! ([`super::workers::lane`]): a socket is registered with the runtime that dialed it, so it
+//! is only reused from there.
 
+use super::h1::{Conn, DecodeError, Decoder, HeadError, Step};
 use super::workers::MAX_WORKERS;
 use bytes::Bytes;
 use crossbeam_queue::ArrayQueue;
 use dashmap::DashMap;
-use http::{HeaderValue, Request, Response, Uri};
-use http_body_util::Full;
-use hyper::body::Incoming;
-use hyper::client::conn::http1::{self, SendRequest};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioIo;
+use http::{HeaderValue, Method, Request, Response};
+use http_body::{Frame, SizeHint};
+use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
-use tower_service::Service;
 
-/// Idle connections kept per authority (as hyper-util's `pool_max_idle_per_host` was).
+/// Idle connections kept per authority and lane.
 const MAX_IDLE: usize = 256;
 /// An idle connection older than this is closed instead of reused.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
-/// Attempts on reused connections that the upstream closed before the request was written.
+/// Attempts on reused connections that turned out closed before the request was written.
 const STALE_RETRIES: usize = 4;
-
-type Sender = SendRequest<Full<Bytes>>;
+/// Bodies up to this size are written in the same buffer as the head (one write).
+const INLINE_BODY: usize = 256 * 1024;
 
 struct Idle {
-    tx: Sender,
+    conn: Conn,
     since: Instant,
 }
 
@@ -46,46 +45,6 @@ pub struct Pool {
     lanes: Box<[OnceLock<ArrayQueue<Idle>>]>,
     /// The `Host` header of every request to it.
     host: HeaderValue,
-}
-
-/// A connection carrying one request: back to its pool when dropped (once idle).
-pub struct Lease {
-    tx: Option<Sender>,
-    pool: Arc<Pool>,
-    /// The lane the connection was dialed on (its driver runs there).
-    lane: usize,
-}
-
-impl std::fmt::Debug for Lease {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Lease")
-    }
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        let Some(mut tx) = self.tx.take() else {
-            return;
-        };
-        if tx.is_closed() {
-            return;
-        }
-        let lane = self.lane;
-        if tx.is_ready() {
-            self.pool.put(lane, tx);
-            return;
-        }
-        // Still reading its answer: back once that is done (an error means it closed).
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let pool = self.pool.clone();
-        rt.spawn(async move {
-            if tx.ready().await.is_ok() {
-                pool.put(lane, tx);
-            }
-        });
-    }
 }
 
 impl Pool {
@@ -100,20 +59,20 @@ impl Pool {
         self.lanes[lane.min(MAX_WORKERS)].get_or_init(|| ArrayQueue::new(MAX_IDLE))
     }
 
-    fn put(&self, lane: usize, tx: Sender) {
+    fn put(&self, lane: usize, conn: Conn) {
         // A full queue drops the connection, which closes it.
         let _ = self.lane(lane).push(Idle {
-            tx,
+            conn,
             since: Instant::now(),
         });
     }
 
     /// An idle connection of `lane` that can take a request now, if any.
-    fn take(&self, lane: usize) -> Option<Sender> {
+    fn take(&self, lane: usize) -> Option<Conn> {
         let idle = self.lanes[lane.min(MAX_WORKERS)].get()?;
-        while let Some(i) = idle.pop() {
-            if i.tx.is_ready() && i.since.elapsed() < IDLE_TIMEOUT {
-                return Some(i.tx);
+        while let Some(mut i) = idle.pop() {
+            if i.since.elapsed() < IDLE_TIMEOUT && i.conn.reusable() {
+                return Some(i.conn);
             }
         }
         None
@@ -134,7 +93,7 @@ impl Pool {
 pub enum SendError {
     /// No connection could be made.
     Connect,
-    /// The connection broke before the answer's head.
+    /// The connection broke before the answer's head, or the head was not HTTP/1.
     Broken,
 }
 
@@ -162,74 +121,200 @@ impl Pools {
     }
 
     /// Sends `req` (an absolute `http://` URI) on a pooled connection, or a new one made
-    /// within `connect`. The answer's connection comes back as a lease: hold it while the
-    /// answer's body is read.
+    /// within `connect`. The answer's body holds the connection: read to its end, it puts it
+    /// back.
     pub async fn send(
         &self,
-        mut req: Request<Full<Bytes>>,
+        req: Request<Bytes>,
         connect: Duration,
-    ) -> Result<(Response<Incoming>, Lease), SendError> {
-        let uri = req.uri().clone();
+    ) -> Result<Response<UpstreamBody>, SendError> {
+        let uri = req.uri();
         let authority = uri.authority().map_or("", |a| a.as_str());
         let pool = self.pool(authority);
-        // HTTP/1 to an origin server: the request line carries the path only.
-        *req.uri_mut() = origin_form(&uri);
-        req.headers_mut()
-            .insert(http::header::HOST, pool.host.clone());
+        let head_request = req.method() == Method::HEAD;
+        let bytes = serialize(&req, &pool.host);
+        let body = req.body();
         let lane = super::workers::lane();
         let mut stale = 0;
         loop {
-            let (mut tx, reused) = match pool.take(lane) {
-                Some(tx) if stale < STALE_RETRIES => (tx, true),
-                _ => (dial(&uri, connect).await?, false),
+            let (mut conn, reused) = match pool.take(lane) {
+                Some(c) if stale < STALE_RETRIES => (c, true),
+                _ => (dial(authority, connect).await?, false),
             };
-            match tx.try_send_request(req).await {
-                Ok(resp) => {
-                    let lease = Lease {
-                        tx: Some(tx),
-                        pool,
+            let mut written = conn.write(&bytes).await;
+            if written.is_ok() && body.len() > INLINE_BODY {
+                written = conn.write(body).await;
+            }
+            if written.is_err() {
+                // Closed by the upstream while idle: nothing of it was read. Send again, on
+                // another connection.
+                if reused {
+                    stale += 1;
+                    continue;
+                }
+                return Err(SendError::Broken);
+            }
+            return match conn.read_head(head_request).await {
+                Ok((resp, framing)) => {
+                    let body = UpstreamBody {
+                        conn: Some(conn),
+                        decoder: framing.decoder,
+                        keep_alive: framing.keep_alive,
+                        home: pool,
                         lane,
                     };
-                    return Ok((resp, lease));
+                    Ok(resp.map(|()| body))
                 }
-                Err(mut e) => match e.take_message() {
-                    // Never written: the upstream had closed the idle connection. Safe to
-                    // send again, on another one.
-                    Some(r) if reused => {
-                        req = r;
-                        stale += 1;
-                    }
-                    _ => return Err(SendError::Broken),
-                },
+                Err(HeadError::Closed | HeadError::Broken | HeadError::Malformed) => {
+                    Err(SendError::Broken)
+                }
+            };
+        }
+    }
+}
+
+/// The request's bytes: its line (origin form: the path only), `Host`, its headers, its
+/// length, and the body when it is small enough to go in the same write.
+fn serialize(req: &Request<Bytes>, host: &HeaderValue) -> Vec<u8> {
+    let body = req.body();
+    let path = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
+    let mut size = req.method().as_str().len() + path.len() + host.len() + 64;
+    for (k, v) in req.headers() {
+        size += k.as_str().len() + v.len() + 4;
+    }
+    let inline = body.len() <= INLINE_BODY;
+    if inline {
+        size += body.len();
+    }
+    let mut out = Vec::with_capacity(size);
+    out.extend_from_slice(req.method().as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(path.as_bytes());
+    out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+    out.extend_from_slice(host.as_bytes());
+    for (k, v) in req.headers() {
+        if k == http::header::HOST || k == http::header::CONTENT_LENGTH {
+            continue;
+        }
+        out.extend_from_slice(b"\r\n");
+        out.extend_from_slice(k.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(v.as_bytes());
+    }
+    out.extend_from_slice(b"\r\ncontent-length: ");
+    out.extend_from_slice(itoa::Buffer::new().format(body.len()).as_bytes());
+    out.extend_from_slice(b"\r\n\r\n");
+    if inline {
+        out.extend_from_slice(body);
+    }
+    out
+}
+
+/// A new connection to the authority.
+async fn dial(authority: &str, connect: Duration) -> Result<Conn, SendError> {
+    let addr = if authority.contains(':') && !authority.ends_with(']') {
+        std::borrow::Cow::Borrowed(authority)
+    } else {
+        std::borrow::Cow::Owned(format!("{authority}:80"))
+    };
+    Conn::dial(&addr, connect)
+        .await
+        .map_err(|_| SendError::Connect)
+}
+
+/// An upstream answer's body, read from its connection as the reader polls; at its end the
+/// connection goes back to its pool (when its framing allows another request on it).
+pub struct UpstreamBody {
+    conn: Option<Conn>,
+    decoder: Decoder,
+    keep_alive: bool,
+    home: Arc<Pool>,
+    lane: usize,
+}
+
+impl std::fmt::Debug for UpstreamBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamBody")
+            .field("decoder", &self.decoder)
+            .finish_non_exhaustive()
+    }
+}
+
+impl UpstreamBody {
+    /// The whole body, when it has already arrived with the head and is at most `limit`
+    /// bytes (a buffered answer's usual case): no polling, no collecting.
+    pub fn arrived(&mut self, limit: usize) -> Option<Bytes> {
+        let conn = self.conn.as_mut()?;
+        let n = usize::try_from(self.decoder.left()?).ok()?;
+        if n > limit || conn.buf.len() < n {
+            return None;
+        }
+        let body = conn.buf.split_to(n).freeze();
+        self.decoder = Decoder::Done;
+        self.end();
+        Some(body)
+    }
+
+    /// The body ended: its connection back to the pool, or closed.
+    fn end(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            if self.keep_alive && conn.buf.is_empty() {
+                self.home.put(self.lane, conn);
             }
         }
     }
 }
 
-/// A new connection to the URI's authority, its driver running as a task of its own.
-async fn dial(uri: &Uri, connect: Duration) -> Result<Sender, SendError> {
-    let mut c = HttpConnector::new();
-    c.set_nodelay(true);
-    c.set_connect_timeout(Some(connect));
-    c.set_keepalive(Some(Duration::from_secs(60)));
-    let io: TokioIo<tokio::net::TcpStream> =
-        c.call(uri.clone()).await.map_err(|_| SendError::Connect)?;
-    let (tx, conn) = http1::Builder::new()
-        .handshake(io)
-        .await
-        .map_err(|_| SendError::Connect)?;
-    tokio::spawn(async move {
-        // The connection's end (closed by either side, or broken) is seen by its sender.
-        let _ = conn.await;
-    });
-    Ok(tx)
-}
+impl http_body::Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = DecodeError;
 
-/// `/path?query` of an absolute URI.
-fn origin_form(uri: &Uri) -> Uri {
-    match uri.path_and_query() {
-        Some(pq) => Uri::from(pq.clone()),
-        None => Uri::from_static("/"),
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, DecodeError>>> {
+        let this = self.get_mut();
+        loop {
+            let Some(conn) = this.conn.as_mut() else {
+                return Poll::Ready(None);
+            };
+            match this.decoder.decode(&mut conn.buf) {
+                Err(e) => {
+                    this.conn = None;
+                    return Poll::Ready(Some(Err(e)));
+                }
+                Ok(Step::Data(b)) => return Poll::Ready(Some(Ok(Frame::data(b)))),
+                Ok(Step::Done) => {
+                    this.end();
+                    return Poll::Ready(None);
+                }
+                Ok(Step::More) => {}
+            }
+            match std::task::ready!(conn.poll_fill(cx)) {
+                Ok(0) => {
+                    this.keep_alive = false;
+                    let ended = this.decoder.eof();
+                    this.conn = None;
+                    return Poll::Ready(ended.err().map(Err));
+                }
+                Ok(_) => {}
+                Err(_) => {
+                    this.conn = None;
+                    return Poll::Ready(Some(Err(DecodeError::Incomplete)));
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.conn.is_none() || self.decoder == Decoder::Done
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.decoder.left() {
+            Some(n) => SizeHint::with_exact(n),
+            None => SizeHint::default(),
+        }
     }
 }
 
@@ -249,13 +334,5 @@ mod tests {
         assert_eq!(host_header("127.0.0.1:11434"), "127.0.0.1:11434");
         assert_eq!(host_header("[::1]:8080"), "[::1]:8080");
         assert_eq!(host_header("up.internal"), "up.internal");
-    }
-
-    #[test]
-    fn origin_form_keeps_path_and_query() {
-        let u: Uri = "http://h:1/v1/chat/completions?x=1".parse().unwrap();
-        assert_eq!(origin_form(&u), "/v1/chat/completions?x=1");
-        let u: Uri = "http://h:1".parse().unwrap();
-        assert_eq!(origin_form(&u), "/");
     }
 }

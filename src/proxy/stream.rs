@@ -5,7 +5,7 @@
 use super::finish::{close, Origin, Sent};
 use super::respond::{Body, BoxError};
 use super::snapshot::Snapshot;
-use super::transport::InFlight;
+use super::transport::{AnswerBody, InFlight};
 use crate::audit::Audit;
 use crate::dialect::Dialect;
 use crate::governor::{BudgetState, Governor, Pending, ReasonClass, Record, UsageEvidence};
@@ -13,7 +13,6 @@ use crate::providers::Translator;
 use crate::stream::SseMeter;
 use bytes::Bytes;
 use http_body::{Body as HttpBody, Frame, SizeHint};
-use hyper::body::Incoming;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -74,7 +73,7 @@ impl StreamWire {
 }
 
 pub(super) struct Metered {
-    inner: Incoming,
+    inner: AnswerBody,
     wire: StreamWire,
     meter: SseMeter,
     tail: Option<Tail>,
@@ -87,7 +86,7 @@ pub(super) struct Metered {
 }
 
 /// Wraps an upstream stream body; a task of its own reads it (see [`super::pump`]).
-pub fn metered(inner: Incoming, wire: StreamWire, tail: Tail, deadline: Instant) -> Body {
+pub fn metered(inner: AnswerBody, wire: StreamWire, tail: Tail, deadline: Instant) -> Body {
     let meter = SseMeter::new(tail.snap.policy.estimate.tokenizer, tail.hide_usage);
     let m = Metered {
         inner,

@@ -2,7 +2,7 @@
 //! timeouts, the request rewritten for the chosen chain entry, and the answer classified into
 //! what the governor understands. The upstream URL comes only from the policy.
 
-use super::pool::{Lease, Pools};
+use super::pool::{Pools, UpstreamBody};
 use super::respond::is_hop_by_hop;
 use super::snapshot::Snapshot;
 use crate::estimate::Endpoint;
@@ -57,23 +57,22 @@ impl Transport {
         Self::default()
     }
 
-    /// Sends a request and gives back the answer's head; for a cleartext upstream, with the
-    /// connection's lease, to be held while its body is read.
+    /// Sends a request and gives back the answer: its head, and its body to read.
     async fn send(
         &self,
-        req: Request<Full<Bytes>>,
+        req: Request<Bytes>,
         connect: Duration,
-    ) -> Result<(hyper::Response<Incoming>, Option<Lease>), ()> {
+    ) -> Result<hyper::Response<AnswerBody>, ()> {
         if req.uri().scheme() == Some(&http::uri::Scheme::HTTP) {
             return match self.h1.send(req, connect).await {
-                Ok((r, lease)) => Ok((r, Some(lease))),
+                Ok(r) => Ok(r.map(AnswerBody::Own)),
                 Err(_) => Err(()),
             };
         }
         self.client(connect)
-            .request(req)
+            .request(req.map(Full::new))
             .await
-            .map(|r| (r, None))
+            .map(|r| r.map(AnswerBody::Hyper))
             .map_err(|_| ())
     }
 
@@ -142,7 +141,44 @@ impl std::fmt::Debug for UpstreamResponse {
 #[derive(Debug)]
 pub enum UpBody {
     Buffered(Bytes),
-    Stream(Incoming),
+    Stream(AnswerBody),
+}
+
+/// An upstream answer's body as it arrives: from an own cleartext HTTP/1 connection, or from
+/// hyper's client (TLS).
+#[derive(Debug)]
+pub enum AnswerBody {
+    Own(UpstreamBody),
+    Hyper(Incoming),
+}
+
+impl http_body::Body for AnswerBody {
+    type Data = Bytes;
+    type Error = crate::body::BoxError;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        match self.get_mut() {
+            AnswerBody::Own(b) => std::pin::Pin::new(b).poll_frame(cx).map_err(Into::into),
+            AnswerBody::Hyper(b) => std::pin::Pin::new(b).poll_frame(cx).map_err(Into::into),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            AnswerBody::Own(b) => b.is_end_stream(),
+            AnswerBody::Hyper(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        match self {
+            AnswerBody::Own(b) => b.size_hint(),
+            AnswerBody::Hyper(b) => b.size_hint(),
+        }
+    }
 }
 
 /// One call in flight on a backend with `max_in_flight`; given back on drop.
@@ -312,7 +348,7 @@ impl Call<'_> {
         provider: Adapter,
         wire: Wire,
         traced: bool,
-    ) -> Result<Request<Full<Bytes>>, Untranslatable> {
+    ) -> Result<Request<Bytes>, Untranslatable> {
         let backend = spec.backend;
         let native = match self.passed(wire) {
             Some(n) => provider.pass_through(&PassCtx {
@@ -361,7 +397,7 @@ impl Call<'_> {
         for (k, v) in &self.snap.auth[spec.backend_index] {
             h.insert(k.clone(), v.clone());
         }
-        req.body(Full::new(Bytes::from(native.body)))
+        req.body(Bytes::from(native.body))
             .map_err(|e| Untranslatable(e.to_string()))
     }
 
@@ -401,14 +437,14 @@ impl Call<'_> {
             s.inject(req.headers_mut());
         }
         let first_byte = t.first_byte.min(t.total);
-        // The lease (a cleartext upstream's connection) goes back to its pool when dropped:
-        // at once after a buffered body is read, once idle after a stream.
-        let (resp, lease) =
-            match tokio::time::timeout(first_byte, self.transport.send(req, t.connect)).await {
-                Err(_) => return failure(FailureClass::Timeout, None, None),
-                Ok(Err(())) => return failure(FailureClass::Connect, None, None),
-                Ok(Ok(r)) => r,
-            };
+        // A cleartext upstream's connection goes back to its pool when its body is read to
+        // the end: at once for a buffered answer, when the stream ends for a stream.
+        let resp = match tokio::time::timeout(first_byte, self.transport.send(req, t.connect)).await
+        {
+            Err(_) => return failure(FailureClass::Timeout, None, None),
+            Ok(Err(())) => return failure(FailureClass::Connect, None, None),
+            Ok(Ok(r)) => r,
+        };
         let (parts, incoming) = resp.into_parts();
         let status = parts.status;
         let mut headers = parts.headers;
@@ -510,7 +546,6 @@ impl Call<'_> {
             // Headers came but the body broke: nothing reached the client, so fail over.
             Err(class) => return failure(class, Some(status.as_u16()), None),
         };
-        drop(lease);
         drop(permit);
         if let Some(n) = self.passed(wire) {
             // The client gets the native answer; its internal form is read for usage.
@@ -594,7 +629,16 @@ fn read_answer(
     Some(usage)
 }
 
-async fn read_body(body: Incoming, deadline: Instant, limit: usize) -> Result<Bytes, FailureClass> {
+async fn read_body(
+    mut body: AnswerBody,
+    deadline: Instant,
+    limit: usize,
+) -> Result<Bytes, FailureClass> {
+    if let AnswerBody::Own(b) = &mut body {
+        if let Some(whole) = b.arrived(limit) {
+            return Ok(whole);
+        }
+    }
     let left = deadline.saturating_duration_since(Instant::now());
     match tokio::time::timeout(left, Limited::new(body, limit).collect()).await {
         Err(_) => Err(FailureClass::Timeout),

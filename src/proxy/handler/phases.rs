@@ -393,7 +393,7 @@ impl<'a> Ctx<'a> {
     fn streamed(
         self,
         up: Box<UpstreamResponse>,
-        incoming: Incoming,
+        incoming: super::super::transport::AnswerBody,
         pending: Box<Pending>,
         est: &Estimate,
     ) -> Response<Body> {

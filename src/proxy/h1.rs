@@ -1,0 +1,672 @@
+//! The HTTP/1.1 client side of a cleartext upstream connection, driven by the task that
+//! makes the call (no connection task, no channel between the two): the request written in
+//! one buffer, the answer's head parsed with `httparse` into an `http::Response`, and its body
+//! framed by [`Decoder`] (`Content-Length`, chunked, or to the connection's close).
+//!
+//! Everything read from the upstream is bounded: the head (64 KiB, 100 headers, 16 interim
+//! answers), a chunk-size line (16 hex digits, 4 KiB with extensions), trailers (16 KiB).
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode, Version};
+use std::io;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Largest answer head read.
+pub const MAX_HEAD: usize = 64 * 1024;
+/// Most header fields in an answer head.
+const MAX_HEADERS: usize = 100;
+/// Most interim (1xx) answers before the final one.
+const MAX_INTERIM: usize = 16;
+/// Largest chunk-size line (with its extensions).
+const MAX_CHUNK_LINE: usize = 4 * 1024;
+/// Largest trailer section of a chunked body.
+const MAX_TRAILERS: usize = 16 * 1024;
+/// What a read asks room for.
+const READ_ROOM: usize = 8 * 1024;
+
+/// One connection to an upstream, with what was read from it and not yet used.
+pub struct Conn {
+    io: TcpStream,
+    pub(super) buf: BytesMut,
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Conn")
+    }
+}
+
+/// Why no answer head came.
+#[derive(Debug, PartialEq, Eq)]
+pub enum HeadError {
+    /// The connection ended (or broke) before any byte of an answer.
+    Closed,
+    /// It broke, or ended, part-way through the head.
+    Broken,
+    /// Not an HTTP/1 answer head, or past a bound.
+    Malformed,
+}
+
+/// How an answer's body is delimited, and whether the connection can carry another request
+/// after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Framing {
+    pub decoder: Decoder,
+    pub keep_alive: bool,
+}
+
+impl Conn {
+    /// A new connection to `authority` (`host:port`), within `connect`.
+    pub async fn dial(authority: &str, connect: Duration) -> io::Result<Conn> {
+        let io = tokio::time::timeout(connect, TcpStream::connect(authority))
+            .await
+            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timeout"))??;
+        io.set_nodelay(true)?;
+        let ka = socket2::TcpKeepalive::new().with_time(Duration::from_secs(60));
+        socket2::SockRef::from(&io).set_tcp_keepalive(&ka)?;
+        Ok(Conn {
+            io,
+            buf: BytesMut::with_capacity(READ_ROOM),
+        })
+    }
+
+    /// Whether an idle connection can take a request: nothing arrived on it since its last
+    /// answer (the upstream's close, or bytes it had no business sending). Without a
+    /// readiness event since, this is no system call.
+    pub fn reusable(&mut self) -> bool {
+        if !self.buf.is_empty() {
+            return false;
+        }
+        let mut probe = [0u8; 1];
+        matches!(self.io.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+    }
+
+    /// Writes a whole request.
+    pub async fn write(&mut self, bytes: &[u8]) -> io::Result<()> {
+        self.io.write_all(bytes).await
+    }
+
+    /// Reads the answer's head (interim 1xx answers skipped). `head_request`: the request was
+    /// a HEAD, so the answer has no body whatever its headers say.
+    pub async fn read_head(
+        &mut self,
+        head_request: bool,
+    ) -> Result<(Response<()>, Framing), HeadError> {
+        let mut interim = 0;
+        loop {
+            let parsed = loop {
+                if let Some(p) = parse_head(&mut self.buf)? {
+                    break p;
+                }
+                if self.buf.len() >= MAX_HEAD {
+                    return Err(HeadError::Malformed);
+                }
+                let any = !self.buf.is_empty() || interim > 0;
+                self.buf.reserve(READ_ROOM);
+                match self.io.read_buf(&mut self.buf).await {
+                    Ok(0) | Err(_) if !any => return Err(HeadError::Closed),
+                    Ok(0) | Err(_) => return Err(HeadError::Broken),
+                    Ok(_) => {}
+                }
+            };
+            let (resp, framing) = parsed;
+            if resp.status().is_informational() {
+                // 101 would switch protocols, which no call asks for.
+                interim += 1;
+                if resp.status() == StatusCode::SWITCHING_PROTOCOLS || interim > MAX_INTERIM {
+                    return Err(HeadError::Malformed);
+                }
+                continue;
+            }
+            let framing = if head_request || matches!(resp.status().as_u16(), 204 | 304) {
+                Framing {
+                    decoder: Decoder::Length(0),
+                    ..framing
+                }
+            } else {
+                framing
+            };
+            return Ok((resp, framing));
+        }
+    }
+
+    /// Reads more of the body into the buffer: `Ready(Ok(0))` at the connection's end.
+    pub fn poll_fill(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<usize>> {
+        loop {
+            if self.buf.capacity() - self.buf.len() < READ_ROOM / 2 {
+                self.buf.reserve(READ_ROOM);
+            }
+            match self.io.try_read_buf(&mut self.buf) {
+                Ok(n) => return std::task::Poll::Ready(Ok(n)),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    std::task::ready!(self.io.poll_read_ready(cx))?;
+                }
+                Err(e) => return std::task::Poll::Ready(Err(e)),
+            }
+        }
+    }
+}
+
+/// Parses a complete head at the front of `buf` and takes it off; `None` when more is needed.
+/// The framing is read from the fields as they are taken (no look-ups in the map after).
+fn parse_head(buf: &mut BytesMut) -> Result<Option<(Response<()>, Framing)>, HeadError> {
+    let mut slots = [const { std::mem::MaybeUninit::uninit() }; MAX_HEADERS];
+    let mut r = httparse::Response::new(&mut []);
+    let len = match httparse::ParserConfig::default()
+        .parse_response_with_uninit_headers(&mut r, buf, &mut slots)
+    {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(_) => return Err(HeadError::Malformed),
+    };
+    let code = r.code.ok_or(HeadError::Malformed)?;
+    let status = StatusCode::from_u16(code).map_err(|_| HeadError::Malformed)?;
+    let version = if r.version == Some(1) {
+        Version::HTTP_11
+    } else {
+        Version::HTTP_10
+    };
+    let mut f = Fields {
+        keep_alive: version == Version::HTTP_11,
+        transfer: None,
+        length: None,
+    };
+    let base = buf.as_ptr() as usize;
+    // Offsets of each field in the head, then the head frozen: the values are slices of it
+    // (no copy each).
+    let mut fields: smallvec::SmallVec<[(HeaderName, usize, usize); 16]> =
+        smallvec::SmallVec::new();
+    for h in r.headers.iter() {
+        let name = HeaderName::from_bytes(h.name.as_bytes()).map_err(|_| HeadError::Malformed)?;
+        f.read(&name, h.value)?;
+        let at = h.value.as_ptr() as usize - base;
+        fields.push((name, at, h.value.len()));
+    }
+    let head = buf.split_to(len).freeze();
+    let mut headers = HeaderMap::with_capacity(fields.len());
+    for (name, at, n) in fields {
+        let v = HeaderValue::from_maybe_shared(head.slice(at..at + n))
+            .map_err(|_| HeadError::Malformed)?;
+        headers.append(name, v);
+    }
+    let mut resp = Response::new(());
+    *resp.status_mut() = status;
+    *resp.version_mut() = version;
+    *resp.headers_mut() = headers;
+    Ok(Some((resp, f.framing())))
+}
+
+/// What the framing fields of a head said.
+struct Fields {
+    keep_alive: bool,
+    /// `Transfer-Encoding` was sent: whether its last coding is chunked.
+    transfer: Option<bool>,
+    length: Option<u64>,
+}
+
+impl Fields {
+    fn read(&mut self, name: &HeaderName, value: &[u8]) -> Result<(), HeadError> {
+        let tokens = || value.split(|&b| b == b',').map(<[u8]>::trim_ascii);
+        if *name == http::header::CONNECTION {
+            if tokens().any(|t| t.eq_ignore_ascii_case(b"close")) {
+                self.keep_alive = false;
+            }
+        } else if *name == http::header::TRANSFER_ENCODING {
+            self.transfer = Some(
+                tokens()
+                    .next_back()
+                    .is_some_and(|t| t.eq_ignore_ascii_case(b"chunked")),
+            );
+        } else if *name == http::header::CONTENT_LENGTH {
+            for part in tokens() {
+                let n = content_length(part).ok_or(HeadError::Malformed)?;
+                if self.length.is_some_and(|l| l != n) {
+                    return Err(HeadError::Malformed);
+                }
+                self.length = Some(n);
+            }
+        }
+        Ok(())
+    }
+
+    /// The body's framing (RFC 9112 §6.3).
+    fn framing(self) -> Framing {
+        let close = Framing {
+            decoder: Decoder::Close,
+            keep_alive: false,
+        };
+        match (self.transfer, self.length) {
+            (Some(true), length) => Framing {
+                decoder: Decoder::Chunked(Chunk::Size {
+                    value: 0,
+                    digits: 0,
+                    line: 0,
+                    ext: false,
+                }),
+                // A length beside a transfer coding is ignored, and the connection not
+                // trusted again.
+                keep_alive: self.keep_alive && length.is_none(),
+            },
+            (Some(false), _) | (None, None) => close,
+            (None, Some(n)) => Framing {
+                decoder: Decoder::Length(n),
+                keep_alive: self.keep_alive,
+            },
+        }
+    }
+}
+
+/// A `Content-Length` value: 1 to 19 digits (no sign, no overflow).
+fn content_length(v: &[u8]) -> Option<u64> {
+    if v.is_empty() || v.len() > 19 || !v.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    Some(v.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0')))
+}
+
+/// Where a chunked body's reading is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Chunk {
+    /// In a chunk-size line: the size so far, its digits, the line's length, and whether an
+    /// extension (or whitespace) ended the digits.
+    Size {
+        value: u64,
+        digits: u8,
+        line: usize,
+        ext: bool,
+    },
+    /// Inside a chunk's data: bytes left.
+    Data(u64),
+    /// After a chunk's data: its CRLF (`true` once the CR was seen).
+    DataEnd(bool),
+    /// After the last chunk: trailer lines, bytes read of them, and whether the current line
+    /// is empty so far.
+    Trailers { read: usize, empty: bool },
+}
+
+/// How much of the body is left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decoder {
+    /// This many bytes.
+    Length(u64),
+    Chunked(Chunk),
+    /// Everything to the connection's close.
+    Close,
+    /// The body ended.
+    Done,
+}
+
+/// What [`Decoder::decode`] found in the buffer.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Step {
+    Data(Bytes),
+    /// Nothing usable yet: read more.
+    More,
+    Done,
+}
+
+/// A body that broke its own framing.
+#[derive(Debug, PartialEq, Eq)]
+pub enum DecodeError {
+    /// A chunk-size line or trailer that is not one, or is past its bound.
+    Malformed,
+    /// The connection ended before the body did.
+    Incomplete,
+}
+
+impl std::fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DecodeError::Malformed => "malformed chunked body",
+            DecodeError::Incomplete => "the upstream closed before the body's end",
+        })
+    }
+}
+
+impl std::error::Error for DecodeError {}
+
+fn take(buf: &mut BytesMut, left: u64) -> (Bytes, u64) {
+    let n = usize::try_from(left).unwrap_or(usize::MAX).min(buf.len());
+    (buf.split_to(n).freeze(), left - n as u64)
+}
+
+impl Decoder {
+    /// Takes the next piece of the body from the front of `buf`.
+    pub fn decode(&mut self, buf: &mut BytesMut) -> Result<Step, DecodeError> {
+        match self {
+            Decoder::Done | Decoder::Length(0) => {
+                *self = Decoder::Done;
+                Ok(Step::Done)
+            }
+            Decoder::Length(left) => {
+                if buf.is_empty() {
+                    return Ok(Step::More);
+                }
+                let (data, rest) = take(buf, *left);
+                *self = if rest == 0 {
+                    Decoder::Done
+                } else {
+                    Decoder::Length(rest)
+                };
+                Ok(Step::Data(data))
+            }
+            Decoder::Close => {
+                if buf.is_empty() {
+                    return Ok(Step::More);
+                }
+                Ok(Step::Data(buf.split().freeze()))
+            }
+            Decoder::Chunked(c) => {
+                let step = chunked(c, buf)?;
+                if step == Step::Done {
+                    *self = Decoder::Done;
+                }
+                Ok(step)
+            }
+        }
+    }
+
+    /// The connection ended: fine only for a body read to the close.
+    pub fn eof(&mut self) -> Result<(), DecodeError> {
+        match self {
+            Decoder::Close | Decoder::Done => {
+                *self = Decoder::Done;
+                Ok(())
+            }
+            _ => Err(DecodeError::Incomplete),
+        }
+    }
+
+    /// Bytes of the body still to come, when known.
+    pub fn left(&self) -> Option<u64> {
+        match self {
+            Decoder::Length(n) => Some(*n),
+            Decoder::Done => Some(0),
+            _ => None,
+        }
+    }
+}
+
+fn chunked(c: &mut Chunk, buf: &mut BytesMut) -> Result<Step, DecodeError> {
+    loop {
+        if buf.is_empty() {
+            return Ok(Step::More);
+        }
+        match c {
+            Chunk::Data(left) => {
+                let (data, rest) = take(buf, *left);
+                *c = if rest == 0 {
+                    Chunk::DataEnd(false)
+                } else {
+                    Chunk::Data(rest)
+                };
+                return Ok(Step::Data(data));
+            }
+            Chunk::DataEnd(cr) => {
+                let b = buf[0];
+                buf.advance(1);
+                match (b, *cr) {
+                    (b'\r', false) => *cr = true,
+                    (b'\n', _) => {
+                        *c = Chunk::Size {
+                            value: 0,
+                            digits: 0,
+                            line: 0,
+                            ext: false,
+                        }
+                    }
+                    _ => return Err(DecodeError::Malformed),
+                }
+            }
+            Chunk::Size {
+                value,
+                digits,
+                line,
+                ext,
+            } => {
+                let b = buf[0];
+                buf.advance(1);
+                *line += 1;
+                if *line > MAX_CHUNK_LINE {
+                    return Err(DecodeError::Malformed);
+                }
+                match b {
+                    b'\n' => {
+                        if *digits == 0 {
+                            return Err(DecodeError::Malformed);
+                        }
+                        *c = if *value == 0 {
+                            Chunk::Trailers {
+                                read: 0,
+                                empty: true,
+                            }
+                        } else {
+                            Chunk::Data(*value)
+                        };
+                    }
+                    _ if *ext => {}
+                    b';' | b' ' | b'\t' | b'\r' => *ext = true,
+                    _ => {
+                        let d = (b as char).to_digit(16).ok_or(DecodeError::Malformed)?;
+                        if *digits == 16 {
+                            return Err(DecodeError::Malformed);
+                        }
+                        *digits += 1;
+                        *value = (*value << 4) | u64::from(d);
+                    }
+                }
+            }
+            Chunk::Trailers { read, empty } => {
+                let b = buf[0];
+                buf.advance(1);
+                *read += 1;
+                if *read > MAX_TRAILERS {
+                    return Err(DecodeError::Malformed);
+                }
+                match b {
+                    b'\n' if *empty => return Ok(Step::Done),
+                    b'\n' => *empty = true,
+                    b'\r' => {}
+                    _ => *empty = false,
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(text: &str) -> Result<Option<(Response<()>, Framing)>, HeadError> {
+        parse_head(&mut BytesMut::from(text))
+    }
+
+    fn decode_all(mut d: Decoder, input: &[u8], piece: usize) -> Result<Vec<u8>, DecodeError> {
+        let mut buf = BytesMut::new();
+        let mut out = Vec::new();
+        let mut fed = 0;
+        loop {
+            match d.decode(&mut buf)? {
+                Step::Data(b) => out.extend_from_slice(&b),
+                Step::Done => return Ok(out),
+                Step::More if fed < input.len() => {
+                    let end = (fed + piece).min(input.len());
+                    buf.extend_from_slice(&input[fed..end]);
+                    fed = end;
+                }
+                Step::More => {
+                    d.eof()?;
+                    return Ok(out);
+                }
+            }
+        }
+    }
+
+    fn chunked0() -> Decoder {
+        Decoder::Chunked(Chunk::Size {
+            value: 0,
+            digits: 0,
+            line: 0,
+            ext: false,
+        })
+    }
+
+    #[test]
+    fn heads_give_status_headers_and_framing() {
+        let (r, f) = head("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 12\r\nX-A: 1\r\nX-A: 2\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["content-type"], "application/json");
+        assert_eq!(r.headers().get_all("x-a").iter().count(), 2);
+        assert_eq!(
+            f,
+            Framing {
+                decoder: Decoder::Length(12),
+                keep_alive: true
+            }
+        );
+        let (_, f) = head("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert!(matches!(f.decoder, Decoder::Chunked(_)) && f.keep_alive);
+        let (_, f) =
+            head("HTTP/1.1 200 OK\r\nConnection: keep-alive, close\r\nContent-Length: 1\r\n\r\n")
+                .unwrap()
+                .unwrap();
+        assert!(!f.keep_alive);
+        let (_, f) = head("HTTP/1.0 200 OK\r\nContent-Length: 1\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert!(!f.keep_alive);
+        let (_, f) = head("HTTP/1.1 200 OK\r\n\r\n").unwrap().unwrap();
+        assert_eq!(
+            f,
+            Framing {
+                decoder: Decoder::Close,
+                keep_alive: false
+            }
+        );
+        // A length beside chunked: chunked wins and the connection is not reused.
+        let (_, f) =
+            head("HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n")
+                .unwrap()
+                .unwrap();
+        assert!(matches!(f.decoder, Decoder::Chunked(_)) && !f.keep_alive);
+        assert!(head("HTTP/1.1 200 OK\r\nContent-Length: 1")
+            .unwrap()
+            .is_none());
+    }
+
+    #[test]
+    fn hostile_heads_are_refused() {
+        for bad in [
+            "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nContent-Length: 5, 6\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nContent-Length: 99999999999999999999\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nContent-Length: 0x10\r\n\r\n",
+            "HTTP/1.1 20 OK\r\n\r\n",
+            "SSH-2.0-OpenSSH\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nBad Name: x\r\n\r\n",
+        ] {
+            assert_eq!(head(bad).unwrap_err(), HeadError::Malformed, "{bad:?}");
+        }
+        let many: String = (0..MAX_HEADERS + 1)
+            .map(|i| format!("x-{i}: v\r\n"))
+            .collect();
+        assert_eq!(
+            head(&format!("HTTP/1.1 200 OK\r\n{many}\r\n")).unwrap_err(),
+            HeadError::Malformed
+        );
+        // The same length said twice is one length.
+        let (_, f) = head("HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert_eq!(f.decoder, Decoder::Length(5));
+    }
+
+    #[test]
+    fn lengths_and_chunks_decode_whatever_the_pieces() {
+        for piece in [1, 2, 3, 7, 64, 4096] {
+            assert_eq!(
+                decode_all(Decoder::Length(5), b"hello", piece).unwrap(),
+                b"hello"
+            );
+            let body =
+                b"5\r\nhello\r\n6;ext=1\r\n world\r\nA \r\n0123456789\r\n0\r\nx-t: 1\r\n\r\n";
+            assert_eq!(
+                decode_all(chunked0(), body, piece).unwrap(),
+                b"hello world0123456789"
+            );
+            assert_eq!(
+                decode_all(chunked0(), b"3\nabc\n0\n\n", piece).unwrap(),
+                b"abc"
+            );
+            assert_eq!(
+                decode_all(Decoder::Close, b"to the end", piece).unwrap(),
+                b"to the end"
+            );
+        }
+    }
+
+    #[test]
+    fn broken_bodies_are_errors_never_a_wrong_length() {
+        assert_eq!(
+            decode_all(Decoder::Length(10), b"short", 3),
+            Err(DecodeError::Incomplete)
+        );
+        assert_eq!(
+            decode_all(chunked0(), b"5\r\nhel", 2),
+            Err(DecodeError::Incomplete)
+        );
+        for bad in [
+            &b"11111111111111111\r\n"[..],
+            b"zz\r\n",
+            b"\r\n",
+            b"5\r\nhelloXX",
+        ] {
+            assert_eq!(
+                decode_all(chunked0(), bad, 5),
+                Err(DecodeError::Malformed),
+                "{bad:?}"
+            );
+        }
+        let long_ext = format!("1;{}\r\n", "e".repeat(MAX_CHUNK_LINE));
+        assert_eq!(
+            decode_all(chunked0(), long_ext.as_bytes(), 512),
+            Err(DecodeError::Malformed)
+        );
+        let trailers = format!("0\r\n{}", "x-t: 1\r\n".repeat(MAX_TRAILERS / 8 + 1));
+        assert_eq!(
+            decode_all(chunked0(), trailers.as_bytes(), 512),
+            Err(DecodeError::Malformed)
+        );
+        // A size at u64's bound is read, not wrapped.
+        let mut d = chunked0();
+        let mut buf = BytesMut::from(&b"ffffffffffffffff\r\nab"[..]);
+        assert_eq!(
+            d.decode(&mut buf).unwrap(),
+            Step::Data(Bytes::from_static(b"ab"))
+        );
+        assert_eq!(d, Decoder::Chunked(Chunk::Data(u64::MAX - 2)));
+    }
+
+    #[test]
+    fn a_body_leaves_what_follows_it_in_the_buffer() {
+        let mut buf = BytesMut::from(&b"helloHTTP/1.1"[..]);
+        let mut d = Decoder::Length(5);
+        assert_eq!(
+            d.decode(&mut buf).unwrap(),
+            Step::Data(Bytes::from_static(b"hello"))
+        );
+        assert_eq!(d.decode(&mut buf).unwrap(), Step::Done);
+        assert_eq!(&buf[..], b"HTTP/1.1");
+    }
+}
