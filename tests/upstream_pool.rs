@@ -26,6 +26,8 @@ enum After {
     Chunked,
     /// Answers with these bytes, then closes.
     Raw(&'static str),
+    /// Answers with the length of the request body it read (and keeps the connection).
+    EchoLength,
 }
 
 struct Upstream {
@@ -78,6 +80,14 @@ async fn upstream(after: After) -> Upstream {
                         ANSWER.len()
                     );
                     match after {
+                        After::EchoLength => {
+                            let n = len.to_string();
+                            let answer = format!(
+                                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{n}",
+                                n.len()
+                            );
+                            let _ = s.write_all(answer.as_bytes()).await;
+                        }
                         After::Raw(bytes) => {
                             let _ = s.write_all(bytes.as_bytes()).await;
                             return;
@@ -255,6 +265,22 @@ async fn a_body_that_came_with_its_head_is_taken_whole_and_one_still_coming_is_n
     let mut body = resp.into_body();
     assert_eq!(body.arrived(1 << 20), None);
     assert_eq!(body.collect().await.unwrap().to_bytes(), ANSWER);
+}
+
+#[tokio::test]
+async fn request_bodies_small_and_large_are_written_whole_on_one_connection() {
+    let up = upstream(After::EchoLength).await;
+    let pools = Pools::default();
+    // Past 256 KiB the body is written after the head instead of in the same buffer.
+    for size in [0, 1, 4096, 256 * 1024, 256 * 1024 + 1, 3 << 20] {
+        let req = Request::post(format!("http://{}/v1/chat/completions", up.addr))
+            .body(Bytes::from(vec![b'x'; size]))
+            .unwrap();
+        let resp = pools.send(req, Duration::from_secs(2)).await.unwrap();
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(body, size.to_string());
+    }
+    assert_eq!(up.accepted.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test]
