@@ -26,6 +26,8 @@ enum After {
     Chunked,
     /// Answers with these bytes, then closes.
     Raw(&'static str),
+    /// Answers with these bytes one byte a write, then closes.
+    Trickle(&'static str),
     /// Answers with the length of the request body it read (and keeps the connection).
     EchoLength,
 }
@@ -87,6 +89,13 @@ async fn upstream(after: After) -> Upstream {
                                 n.len()
                             );
                             let _ = s.write_all(answer.as_bytes()).await;
+                        }
+                        After::Trickle(bytes) => {
+                            for b in bytes.as_bytes() {
+                                let _ = s.write_all(&[*b]).await;
+                                let _ = s.flush().await;
+                            }
+                            return;
                         }
                         After::Raw(bytes) => {
                             let _ = s.write_all(bytes.as_bytes()).await;
@@ -228,7 +237,12 @@ async fn a_connection_the_upstream_closed_is_not_reused() {
 
 /// A request to a slow-bodied upstream, its answer's head in hand and its body still arriving.
 async fn slow_answer() -> (Upstream, Pools, http::Response<UpstreamBody>) {
-    let up = upstream(After::SlowBody).await;
+    answer(After::SlowBody).await
+}
+
+/// One request to a new upstream that behaves as `after`: its answer's head in hand.
+async fn answer(after: After) -> (Upstream, Pools, http::Response<UpstreamBody>) {
+    let up = upstream(after).await;
     let pools = Pools::default();
     let resp = pools
         .send(request(up.addr), Duration::from_secs(2))
@@ -295,12 +309,7 @@ async fn a_body_dropped_unread_closes_its_connection() {
 
 #[tokio::test]
 async fn a_chunked_answer_arrives_piece_by_piece_and_its_connection_is_reused() {
-    let up = upstream(After::Chunked).await;
-    let pools = Pools::default();
-    let resp = pools
-        .send(request(up.addr), Duration::from_secs(2))
-        .await
-        .unwrap();
+    let (up, pools, resp) = answer(After::Chunked).await;
     let mut body = resp.into_body();
     let mut pieces = Vec::new();
     while let Some(f) = body.frame().await {
@@ -316,15 +325,10 @@ async fn a_chunked_answer_arrives_piece_by_piece_and_its_connection_is_reused() 
 
 #[tokio::test]
 async fn an_answer_read_to_the_close_is_whole_and_its_connection_not_reused() {
-    let up = upstream(After::Raw(
+    let (up, pools, resp) = answer(After::Raw(
         "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nall of it",
     ))
     .await;
-    let pools = Pools::default();
-    let resp = pools
-        .send(request(up.addr), Duration::from_secs(2))
-        .await
-        .unwrap();
     assert_eq!(resp.headers()["content-type"], "text/plain");
     assert_eq!(
         resp.into_body().collect().await.unwrap().to_bytes(),
@@ -334,16 +338,22 @@ async fn an_answer_read_to_the_close_is_whole_and_its_connection_not_reused() {
 }
 
 #[tokio::test]
+async fn a_head_that_trickles_in_a_byte_at_a_time_is_read() {
+    let (_up, _pools, resp) = answer(After::Trickle(
+        "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nx-a: 1\r\ncontent-length: 2\r\n\r\nok",
+    ))
+    .await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-a"], "1");
+    assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "ok");
+}
+
+#[tokio::test]
 async fn interim_answers_are_skipped() {
-    let up = upstream(After::Raw(
+    let (_up, _pools, resp) = answer(After::Raw(
         "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
     ))
     .await;
-    let pools = Pools::default();
-    let resp = pools
-        .send(request(up.addr), Duration::from_secs(2))
-        .await
-        .unwrap();
     assert_eq!(resp.status(), 200);
     assert!(resp.headers().get("link").is_none());
     assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "ok");

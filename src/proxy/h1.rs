@@ -96,10 +96,17 @@ impl Conn {
     ) -> Result<(Response<()>, Framing), HeadError> {
         let mut interim = 0;
         loop {
+            // Bytes of the buffer already known not to end the head: a head that arrives in
+            // pieces is parsed again only once its end may have come (a trickle of single
+            // bytes would otherwise cost a parse of the whole head per byte).
+            let mut seen = 0;
             let parsed = loop {
-                if let Some(p) = parse_head(&mut self.buf)? {
-                    break p;
+                if seen == 0 || head_end_after(&self.buf, seen) {
+                    if let Some(p) = parse_head(&mut self.buf)? {
+                        break p;
+                    }
                 }
+                seen = self.buf.len();
                 if self.buf.len() >= MAX_HEAD {
                     return Err(HeadError::Malformed);
                 }
@@ -150,6 +157,12 @@ impl Conn {
             }
         }
     }
+}
+
+/// Whether the blank line that ends a head may be in `buf` past its first `seen` bytes.
+fn head_end_after(buf: &[u8], seen: usize) -> bool {
+    let tail = &buf[seen.saturating_sub(3)..];
+    memchr::memmem::find(tail, b"\n\r\n").is_some() || memchr::memmem::find(tail, b"\n\n").is_some()
 }
 
 /// Parses a complete head at the front of `buf` and takes it off; `None` when more is needed.
@@ -562,6 +575,17 @@ mod tests {
         assert!(head("HTTP/1.1 200 OK\r\nContent-Length: 1")
             .unwrap()
             .is_none());
+    }
+
+    #[test]
+    fn a_head_end_split_across_reads_is_seen() {
+        let head = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n";
+        let end = head.len();
+        for seen in 1..end {
+            assert!(head_end_after(head, seen), "{seen}");
+        }
+        assert!(!head_end_after(&head[..end - 1], end - 2));
+        assert!(head_end_after(b"HTTP/1.1 200 OK\n\n", 16));
     }
 
     #[test]
