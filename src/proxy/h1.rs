@@ -10,7 +10,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode, Version};
 use std::io;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 /// Largest answer head read.
@@ -41,9 +41,7 @@ impl std::fmt::Debug for Conn {
 /// Why no answer head came.
 #[derive(Debug, PartialEq, Eq)]
 pub enum HeadError {
-    /// The connection ended (or broke) before any byte of an answer.
-    Closed,
-    /// It broke, or ended, part-way through the head.
+    /// The connection ended, or broke, before the head was whole.
     Broken,
     /// Not an HTTP/1 answer head, or past a bound.
     Malformed,
@@ -110,10 +108,7 @@ impl Conn {
                 if self.buf.len() >= MAX_HEAD {
                     return Err(HeadError::Malformed);
                 }
-                let any = !self.buf.is_empty() || interim > 0;
-                self.buf.reserve(READ_ROOM);
-                match self.io.read_buf(&mut self.buf).await {
-                    Ok(0) | Err(_) if !any => return Err(HeadError::Closed),
+                match std::future::poll_fn(|cx| self.poll_fill(cx)).await {
                     Ok(0) | Err(_) => return Err(HeadError::Broken),
                     Ok(_) => {}
                 }
@@ -139,7 +134,7 @@ impl Conn {
         }
     }
 
-    /// Reads more of the body into the buffer: `Ready(Ok(0))` at the connection's end.
+    /// Reads more into the buffer (a head or a body): `Ready(Ok(0))` at the connection's end.
     pub fn poll_fill(
         &mut self,
         cx: &mut std::task::Context<'_>,

@@ -14,7 +14,7 @@
 //! ([`super::workers::lane`]): a socket is registered with the runtime that dialed it, so it
 //! is only reused from there.
 
-use super::h1::{Conn, DecodeError, Decoder, HeadError, Step};
+use super::h1::{Conn, DecodeError, Decoder, Step};
 use super::workers::MAX_WORKERS;
 use bytes::Bytes;
 use crossbeam_queue::ArrayQueue;
@@ -165,9 +165,7 @@ impl Pools {
                     };
                     Ok(resp.map(|()| body))
                 }
-                Err(HeadError::Closed | HeadError::Broken | HeadError::Malformed) => {
-                    Err(SendError::Broken)
-                }
+                Err(_) => Err(SendError::Broken),
             };
         }
     }
@@ -292,7 +290,6 @@ impl http_body::Body for UpstreamBody {
             }
             match std::task::ready!(conn.poll_fill(cx)) {
                 Ok(0) => {
-                    this.keep_alive = false;
                     let ended = this.decoder.eof();
                     this.conn = None;
                     return Poll::Ready(ended.err().map(Err));
