@@ -178,6 +178,14 @@ async fn an_empty_200_and_a_204_are_failures() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_answered_empty_falls_back() {
+    // Declared empty (`Content-Length: 0`) though typed as a stream: the client reads the
+    // length as framing and keeps it out of the answer's headers; the body's size says it.
+    falls_back_from(Answer::raw(200, "text/event-stream", ""), true).await;
+    falls_back_from(Answer::raw(204, "text/event-stream", ""), true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_answered_with_an_html_page_falls_back() {
     falls_back_from(Answer::raw(200, "text/html", "<html>login</html>"), true).await;
 }

@@ -340,7 +340,7 @@ impl<'a> Ctx<'a> {
                 let b = redact::bytes(self.snap, b);
                 let resp = upstream_response(
                     payload.status,
-                    &payload.headers,
+                    payload.headers,
                     full(b),
                     &self.rec,
                     self.snap,
@@ -369,7 +369,7 @@ impl<'a> Ctx<'a> {
     /// redacted, recorded.
     fn buffered(
         mut self,
-        up: Box<UpstreamResponse>,
+        mut up: Box<UpstreamResponse>,
         b: Bytes,
         pending: Pending,
         est: &Estimate,
@@ -383,7 +383,13 @@ impl<'a> Ctx<'a> {
             .governor
             .settle(policy, &mut self.rec, pending, usage, evidence);
         let b = redact::bytes(self.snap, b);
-        let mut resp = upstream_response(up.status, &up.headers, full(b), &self.rec, self.snap);
+        let mut resp = upstream_response(
+            up.status,
+            std::mem::take(&mut up.headers),
+            full(b),
+            &self.rec,
+            self.snap,
+        );
         cap_header(&mut resp, &self.rec, self.endpoint, est.max_output_tokens);
         self.finish(resp)
     }
@@ -392,7 +398,7 @@ impl<'a> Ctx<'a> {
     /// it ends (see [`stream::metered`]).
     fn streamed(
         self,
-        up: Box<UpstreamResponse>,
+        mut up: Box<UpstreamResponse>,
         incoming: super::super::transport::AnswerBody,
         pending: Box<Pending>,
         est: &Estimate,
@@ -419,7 +425,13 @@ impl<'a> Ctx<'a> {
             (Wire::PassThrough, Some(t)) => StreamWire::PassThrough(t, self.inb.dialect),
         };
         let body = stream::metered(incoming, wire, tail, up.deadline);
-        let mut resp = upstream_response(up.status, &up.headers, body, &self.rec, self.snap);
+        let mut resp = upstream_response(
+            up.status,
+            std::mem::take(&mut up.headers),
+            body,
+            &self.rec,
+            self.snap,
+        );
         cap_header(&mut resp, &self.rec, self.endpoint, est.max_output_tokens);
         resp
     }
@@ -503,31 +515,34 @@ thread_local! {
         const { std::cell::RefCell::new(None) };
 }
 
-/// Headers `respond::stamp` and `cap_header` may add to an answer.
-const STAMPED_HEADERS: usize = 12;
-
 const H_OUTPUT_CAP: http::HeaderName = http::HeaderName::from_static("x-tollgate-output-cap");
 
+/// The answer handed on: the upstream's status and headers (its own map, the hop-by-hop
+/// fields taken out in place: no copy of the others), then the sidecar's own.
 fn upstream_response(
     status: StatusCode,
-    headers: &HeaderMap,
+    mut headers: HeaderMap,
     body: Body,
     rec: &Record,
     snap: &Snapshot,
 ) -> Response<Body> {
+    let hop: smallvec::SmallVec<[http::HeaderName; 4]> = headers
+        .keys()
+        .filter(|k| is_hop_by_hop(k))
+        .cloned()
+        .collect();
+    for k in hop {
+        headers.remove(k);
+    }
+    // Room for the sidecar's headers (decision, ids, limits) at once, instead of growing the
+    // map as they are added (an answer from the own client was made with it).
+    headers.reserve(crate::proxy::h1::ROOM_FOR_STAMPS);
     let mut resp = Response::new(body);
     *resp.status_mut() = status;
     let h = resp.headers_mut();
-    // Room for the upstream's headers and the sidecar's own (decision, ids, limits) at once,
-    // instead of growing the map as they are added.
-    h.reserve(headers.len() + STAMPED_HEADERS);
-    for (k, v) in headers {
-        if !is_hop_by_hop(k) {
-            h.append(k.clone(), v.clone());
-        }
-    }
-    // The body may have been rewritten (redacted); hyper sets the length of a full body.
-    h.remove(http::header::CONTENT_LENGTH);
+    *h = headers;
+    // (`Content-Length` went with the hop-by-hop fields: the body may have been rewritten
+    // (redacted); hyper sets the length of a full body.)
     redact::headers(snap, h);
     respond::stamp(h, rec, snap);
     resp
