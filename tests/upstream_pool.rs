@@ -438,3 +438,45 @@ async fn nothing_listening_is_a_connect_error() {
     let r = pools.send(request(addr), Duration::from_secs(1)).await;
     assert!(matches!(r, Err(tollgate::proxy::pool::SendError::Connect)));
 }
+
+/// On a connection worker, a read that drains the socket clears its readiness without a
+/// system call: a close that comes while the connection is idle must still be seen before
+/// reuse (tokio keeps a close in the readiness through a clear), and a body that comes in
+/// pieces must still wake its reader for each piece (a readiness lost would hang it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_worker_a_drained_socket_still_sees_the_next_piece_and_the_close() {
+    use tollgate::proxy::workers::Workers;
+    let workers = Workers::start(1).unwrap();
+    let (rt, _open) = workers.pick();
+    let run = rt.spawn(async {
+        assert_ne!(tollgate::proxy::workers::lane(), 0, "on a worker");
+        // Closed behind the pool's back after each answer: never reused.
+        let up = upstream(After::SilentClose).await;
+        let pools = Pools::default();
+        for i in 1..=4 {
+            assert_eq!(call(&pools, up.addr).await, ANSWER);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            assert_eq!(up.accepted.load(Ordering::SeqCst), i);
+        }
+        // Pieces some time apart (each read drains the socket), then reuse.
+        for after in [After::Chunked, After::SlowBody] {
+            let up = upstream(after).await;
+            let pools = Pools::default();
+            for _ in 0..3 {
+                assert_eq!(call(&pools, up.addr).await, ANSWER);
+            }
+            assert_eq!(up.accepted.load(Ordering::SeqCst), 1);
+        }
+        // Kept alive: one connection for many calls.
+        let up = upstream(After::KeepAlive).await;
+        let pools = Pools::default();
+        for _ in 0..20 {
+            assert_eq!(call(&pools, up.addr).await, ANSWER);
+        }
+        assert_eq!(up.accepted.load(Ordering::SeqCst), 1);
+    });
+    tokio::time::timeout(Duration::from_secs(20), run)
+        .await
+        .expect("no read waits forever")
+        .unwrap();
+}

@@ -76,7 +76,8 @@ impl Conn {
 
     /// Whether an idle connection can take a request: nothing arrived on it since its last
     /// answer (the upstream's close, or bytes it had no business sending). Without a
-    /// readiness event since, this is no system call.
+    /// readiness event since the answer's last read drained the socket, this is no system
+    /// call (see [`drained`]).
     pub fn reusable(&mut self) -> bool {
         if !self.buf.is_empty() {
             return false;
@@ -147,8 +148,14 @@ impl Conn {
             if self.buf.capacity() - self.buf.len() < READ_ROOM / 2 {
                 self.buf.reserve(READ_ROOM);
             }
+            let room = self.buf.capacity() - self.buf.len();
             match self.io.try_read_buf(&mut self.buf) {
-                Ok(n) => return std::task::Poll::Ready(Ok(n)),
+                Ok(n) => {
+                    if n > 0 && n < room && super::workers::lane() != 0 {
+                        drained(&self.io);
+                    }
+                    return std::task::Poll::Ready(Ok(n));
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     std::task::ready!(self.io.poll_read_ready(cx))?;
                 }
@@ -156,6 +163,19 @@ impl Conn {
             }
         }
     }
+}
+
+/// After a read that did not fill the room it was given (the socket's queue was drained), the
+/// socket's read readiness is cleared, as tokio's own `poll_read` does: the next read, or the
+/// pool's check before reuse ([`Conn::reusable`]), then waits for a new readiness event
+/// instead of making a system call that would only say "would block" (one `recvfrom` per
+/// request saved). Only on a connection worker: its runtime is single-threaded, so no driver
+/// turn (no new event) can come between the read and the clear; anything that arrives after
+/// the read is an event of the next turn, which sets readiness again.
+fn drained(io: &TcpStream) {
+    let _ = io.try_io(tokio::io::Interest::READABLE, || {
+        Err::<(), _>(io::ErrorKind::WouldBlock.into())
+    });
 }
 
 /// Whether the blank line that ends a head may be in `buf` past its first `seen` bytes.
