@@ -283,16 +283,11 @@ impl<'de: 'a, 'a> Deserialize<'de> for Choice<'a> {
     }
 }
 
-/// A streamed answer's head: not a 204, not declared empty, and typed as a stream (SSE or
+/// A streamed answer's head: not a 204, not declared empty (`declared_empty`: its body's
+/// exact size is 0, which both clients read from the framing), and typed as a stream (SSE or
 /// NDJSON) when typed at all.
-pub fn stream_head_ok(status: StatusCode, headers: &HeaderMap) -> bool {
-    if status == StatusCode::NO_CONTENT {
-        return false;
-    }
-    if headers
-        .get(header::CONTENT_LENGTH)
-        .is_some_and(|v| v.as_bytes() == b"0")
-    {
+pub fn stream_head_ok(status: StatusCode, headers: &HeaderMap, declared_empty: bool) -> bool {
+    if status == StatusCode::NO_CONTENT || declared_empty {
         return false;
     }
     match headers.get(header::CONTENT_TYPE) {
@@ -384,22 +379,21 @@ mod tests {
     #[test]
     fn stream_heads_must_be_streams() {
         let mut h = HeaderMap::new();
-        assert!(stream_head_ok(StatusCode::OK, &h));
-        assert!(!stream_head_ok(StatusCode::NO_CONTENT, &h));
+        assert!(stream_head_ok(StatusCode::OK, &h, false));
+        assert!(!stream_head_ok(StatusCode::NO_CONTENT, &h, false));
         h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/html"));
-        assert!(!stream_head_ok(StatusCode::OK, &h));
+        assert!(!stream_head_ok(StatusCode::OK, &h, false));
         h.insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("text/event-stream; charset=utf-8"),
         );
-        assert!(stream_head_ok(StatusCode::OK, &h));
+        assert!(stream_head_ok(StatusCode::OK, &h, false));
         h.insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/x-ndjson"),
         );
-        assert!(stream_head_ok(StatusCode::OK, &h));
-        h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("0"));
-        assert!(!stream_head_ok(StatusCode::OK, &h));
+        assert!(stream_head_ok(StatusCode::OK, &h, false));
+        assert!(!stream_head_ok(StatusCode::OK, &h, true));
     }
 
     type SaidView<'a> = Option<(Option<StreamUsage>, Option<&'a [u8]>, Vec<&'a [u8]>)>;

@@ -59,18 +59,14 @@ pub fn coding(headers: &HeaderMap) -> Result<Coding, String> {
 /// `limit`: it is refused without being read.
 pub fn expects_too_much(headers: &HeaderMap, limit: u64) -> bool {
     // The length is looked at only when the client waits (nearly none do).
-    let expects = || {
-        headers
-            .get(http::header::EXPECT)
-            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"))
-    };
-    let declared = || {
-        headers
+    headers
+        .get(http::header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"))
+        && headers
             .get(http::header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.trim().parse::<u64>().ok())
-    };
-    expects() && declared().is_some_and(|n| n > limit)
+            .is_some_and(|n| n > limit)
 }
 
 /// Decodes `body` (already read, at most `limit` bytes), the result capped at `limit`.

@@ -516,10 +516,8 @@ impl Call<'_> {
         // Answers already in the OpenAI shape pass as they are: no envelope to build.
         let native = provider.translates_answers();
         if self.stream {
-            // (A body declared empty shows in its size; the own client keeps framing fields
-            // out of the answer's headers.)
             let empty = http_body::Body::size_hint(&incoming).exact() == Some(0);
-            if empty || !providers::validate::stream_head_ok(status, &headers) {
+            if !providers::validate::stream_head_ok(status, &headers, empty) {
                 tracing::warn!(backend = %backend.id, status = status.as_u16(), "the upstream's stream answer is not a stream");
                 return failure(FailureClass::Server, Some(status.as_u16()), None);
             }
