@@ -12,3 +12,47 @@ pub type Body = BoxBody<Bytes, BoxError>;
 pub fn full(b: impl Into<Bytes>) -> Body {
     Full::new(b.into()).map_err(|never| match never {}).boxed()
 }
+
+/// A request's body as the handlers get it: hyper's, or one the sidecar's own HTTP/1.1 server
+/// ([`crate::proxy::front`]) has already read whole.
+#[derive(Debug)]
+pub enum ReqBody {
+    Hyper(hyper::body::Incoming),
+    /// The whole body (`None` once handed out).
+    Whole(Option<Bytes>),
+}
+
+impl http_body::Body for ReqBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, hyper::Error>>> {
+        match self.get_mut() {
+            ReqBody::Hyper(b) => std::pin::Pin::new(b).poll_frame(cx),
+            ReqBody::Whole(b) => std::task::Poll::Ready(
+                b.take()
+                    .filter(|b| !b.is_empty())
+                    .map(|b| Ok(http_body::Frame::data(b))),
+            ),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            ReqBody::Hyper(b) => b.is_end_stream(),
+            ReqBody::Whole(b) => b.as_ref().is_none_or(Bytes::is_empty),
+        }
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        match self {
+            ReqBody::Hyper(b) => b.size_hint(),
+            ReqBody::Whole(b) => {
+                http_body::SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64))
+            }
+        }
+    }
+}

@@ -8,11 +8,11 @@ mod status;
 
 pub use reload::{fingerprint, watch, ReloadError, ReloadStatus, Trigger, WATCH_EVERY};
 
+use crate::body::ReqBody;
 use crate::proxy::respond::{full, Body};
 use crate::proxy::App;
 use arc_swap::ArcSwapOption;
 use http::{HeaderValue, Method, Request, Response, StatusCode};
-use hyper::body::Incoming;
 use std::convert::Infallible;
 use std::future::Future;
 use std::path::PathBuf;
@@ -92,7 +92,7 @@ impl Ops {
     }
 
     /// The refusal of a mutating call, or `None` when the bearer token is right.
-    fn refuse(&self, req: &Request<Incoming>) -> Option<Response<Body>> {
+    fn refuse(&self, req: &Request<ReqBody>) -> Option<Response<Body>> {
         let token = self.token.load();
         let Some(token) = token.as_ref() else {
             return Some(json_error(
@@ -197,7 +197,7 @@ fn json_error(status: StatusCode, message: &str) -> Response<Body> {
 pub async fn handle(
     app: Arc<App>,
     ops: Arc<Ops>,
-    req: Request<Incoming>,
+    req: Request<ReqBody>,
 ) -> Result<Response<Body>, Infallible> {
     Ok(match (req.method(), req.uri().path()) {
         (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),

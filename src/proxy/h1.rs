@@ -323,7 +323,7 @@ impl Fields {
 }
 
 /// A `Content-Length` value: 1 to 19 digits (no sign, no overflow).
-fn content_length(v: &[u8]) -> Option<u64> {
+pub(super) fn content_length(v: &[u8]) -> Option<u64> {
     if v.is_empty() || v.len() > 19 || !v.iter().all(u8::is_ascii_digit) {
         return None;
     }

@@ -4,6 +4,7 @@
 mod conn;
 mod encoding;
 pub mod finish;
+mod front;
 pub mod h1;
 pub mod handler;
 mod header_memo;

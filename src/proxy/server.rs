@@ -57,19 +57,19 @@ pub trait Handler: Clone + Send + Sync + 'static {
             Output = Result<hyper::Response<super::respond::Body>, std::convert::Infallible>,
         > + Send
         + 'static;
-    fn call(&self, req: hyper::Request<hyper::body::Incoming>) -> Self::Answer;
+    fn call(&self, req: hyper::Request<crate::body::ReqBody>) -> Self::Answer;
 }
 
 impl<F, Fut> Handler for F
 where
-    F: Fn(hyper::Request<hyper::body::Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    F: Fn(hyper::Request<crate::body::ReqBody>) -> Fut + Clone + Send + Sync + 'static,
     Fut: std::future::Future<
             Output = Result<hyper::Response<super::respond::Body>, std::convert::Infallible>,
         > + Send
         + 'static,
 {
     type Answer = Fut;
-    fn call(&self, req: hyper::Request<hyper::body::Incoming>) -> Fut {
+    fn call(&self, req: hyper::Request<crate::body::ReqBody>) -> Fut {
         self(req)
     }
 }
@@ -161,10 +161,21 @@ async fn connection<H: Handler>(
     if !spoke {
         return;
     }
+    // Served here while its requests are the common kind; the rest of it goes to hyper.
+    let mut stream = stream;
+    let first = match super::front::serve(&mut stream, header_timeout, &stopping, &svc).await {
+        super::front::End::Closed => return,
+        super::front::End::HandOver(first) => first,
+    };
     let conn = builder(header_timeout)
         .serve_connection(
-            TokioIo::new(conn::Shaped::new(stream, port)),
-            service_fn(move |req| svc.call(req)),
+            TokioIo::new(conn::Shaped::new(
+                super::front::Rewind::new(first, stream),
+                port,
+            )),
+            service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                svc.call(req.map(crate::body::ReqBody::Hyper))
+            }),
         )
         .into_owned();
     let _ = watcher.watch(conn).await;

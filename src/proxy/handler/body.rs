@@ -3,10 +3,10 @@
 
 use super::super::encoding::{self, DecodeError};
 use super::super::respond::BodyError;
+use crate::body::ReqBody;
 use bytes::Bytes;
 use http::HeaderMap;
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 
 /// A slow client may not pin a connection: the whole body must arrive within this.
 const BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
@@ -19,7 +19,7 @@ const DRAIN_BEYOND_LIMIT: usize = 16 * 1024 * 1024;
 /// The `Content-Encoding` header is removed: the upstream gets the body re-serialized.
 pub(super) async fn read_decoded(
     headers: &mut HeaderMap,
-    body: Incoming,
+    body: ReqBody,
     limit: u64,
 ) -> Result<Bytes, BodyError> {
     let (coding, too_much) = (
@@ -42,9 +42,21 @@ pub(super) async fn read_decoded(
 
 /// Reads the request body up to `limit` bytes within [`BODY_READ_TIMEOUT`]. A body over the
 /// limit is drained (up to [`DRAIN_BEYOND_LIMIT`] more) before answering.
-pub(super) async fn read(mut body: Incoming, limit: usize) -> Result<Bytes, BodyError> {
+pub(super) async fn read(body: ReqBody, limit: usize) -> Result<Bytes, BodyError> {
     let too_large = || BodyError::TooLarge {
         limit: limit as u64,
+    };
+    let mut body = match body {
+        // Read whole already, within its own bounds (`front`): only the limit is left to check.
+        ReqBody::Whole(b) => {
+            let b = b.unwrap_or_default();
+            return if b.len() > limit {
+                Err(too_large())
+            } else {
+                Ok(b)
+            };
+        }
+        ReqBody::Hyper(b) => b,
     };
     let deadline = tokio::time::Instant::now() + BODY_READ_TIMEOUT;
     let mut buf = bytes::BytesMut::new();

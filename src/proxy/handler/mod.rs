@@ -8,6 +8,7 @@ use super::respond::{self, full, Body, Refusal};
 use super::snapshot::Snapshot;
 use super::transport::Transport;
 use crate::audit::{Audit, QueueWait};
+use crate::body::ReqBody;
 use crate::dialect::{self, render::Meta, Dialect, Inbound, Op, Rendered, Routed};
 use crate::estimate::Endpoint;
 use crate::governor::{Governor, ReasonClass, Record};
@@ -15,7 +16,6 @@ use crate::telemetry::scope;
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode};
-use hyper::body::Incoming;
 use serde::Deserialize;
 use std::convert::Infallible;
 use std::future::Future;
@@ -55,7 +55,7 @@ fn endpoint_name(e: Endpoint) -> &'static str {
 }
 
 /// The data port's router.
-pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+pub async fn handle(app: Arc<App>, req: Request<ReqBody>) -> Result<Response<Body>, Infallible> {
     let t0 = Instant::now();
     let snap = app.snap.load_full();
     let routed = dialect::route(req.method(), req.uri().path(), req.uri().query());
@@ -122,7 +122,7 @@ async fn inbound(
     app: Arc<App>,
     snap: Arc<Snapshot>,
     inb: Inbound,
-    req: Request<Incoming>,
+    req: Request<ReqBody>,
     t0: Instant,
 ) -> Response<Body> {
     let op = inb.op;
@@ -251,7 +251,7 @@ async fn governed(
     snap: Arc<Snapshot>,
     endpoint: Endpoint,
     inb: Inbound,
-    req: Request<Incoming>,
+    req: Request<ReqBody>,
     t0: Instant,
 ) -> (Response<Body>, Meta) {
     let gone = Arc::new(AtomicBool::new(false));

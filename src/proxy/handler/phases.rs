@@ -13,6 +13,7 @@ use super::super::stream::{self, StreamWire};
 use super::super::transport::{Call, NativeBody, UpBody, UpstreamResponse};
 use super::{body, endpoint_name, finish, local_json, usage, App, Origin};
 use crate::audit::QueueWait;
+use crate::body::ReqBody;
 use crate::dialect::{self, render::Meta, Dialect, Inbound, Op};
 use crate::estimate::{self, Endpoint, Estimate};
 use crate::governor::{Outcome, Pending, Record, RequestCtx, Served, SystemClock};
@@ -20,7 +21,6 @@ use crate::policy::{Policy, Route};
 use crate::providers::{self, NativeFormat, RequestBody, Wire};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
-use hyper::body::Incoming;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -31,7 +31,7 @@ pub(super) async fn governed_here(
     endpoint: Endpoint,
     inb: &Inbound,
     meta: &mut Meta,
-    req: Request<Incoming>,
+    req: Request<ReqBody>,
     t0: Instant,
 ) -> Response<Body> {
     let (mut parts, body) = req.into_parts();
@@ -172,7 +172,7 @@ impl<'a> Ctx<'a> {
         &mut self,
         who: Result<Identity, Refusal>,
         headers: &mut HeaderMap,
-        body: Incoming,
+        body: ReqBody,
     ) -> Result<Next<'a>, Refusal> {
         let who = who?;
         let bytes = self.read_body(headers, body).await?;
@@ -191,7 +191,7 @@ impl<'a> Ctx<'a> {
     }
 
     /// Read the body, bounded and decoded.
-    async fn read_body(&self, headers: &mut HeaderMap, b: Incoming) -> Result<Bytes, Refusal> {
+    async fn read_body(&self, headers: &mut HeaderMap, b: ReqBody) -> Result<Bytes, Refusal> {
         let limit = self.snap.policy.server.max_body_bytes;
         Ok(body::read_decoded(headers, b, limit).await?)
     }

@@ -1,0 +1,636 @@
+//! The sidecar's own HTTP/1.1 server for a client's connection: the common request (a whole
+//! head in one read, a `Content-Length` body of at most [`MAX_WHOLE_BODY`], no `Expect`, no
+//! transfer coding, no upgrade) is parsed with `httparse`, its body read whole, handed to the
+//! handler, and its answer written straight from the handler's response: the head in one
+//! buffer, a whole body beside it in one `writev`, a stream as chunks written as they come
+//! (never buffered). hyper's server costs ~14,000 instructions a request on this path; this
+//! one a fraction of that (docs/performance.md, eighteenth round).
+//!
+//! Anything else (HTTP/1.0, h2c, `Expect: 100-continue`, a chunked or large request body, a
+//! head that comes in pieces, a malformed head) hands the connection, with every byte read
+//! and not yet served, to hyper, which serves it from there on exactly as before: its checks,
+//! its error answers, its header timer. The hand-over is always possible because nothing of a
+//! request is consumed until it is known to be served here.
+//!
+//! As with hyper: the client's close (or a broken connection) while its request is worked on
+//! drops the handler's future (the governed work runs on to its end, detached, and is recorded
+//! as the client's disconnect); bytes of a next (pipelined) request are kept, up to
+//! [`MAX_AHEAD`]; `Connection: close` is honoured; on shutdown an idle connection closes at
+//! once and a busy one after its answer, which says `connection: close`.
+
+use super::server::Handler;
+use crate::body::{Body, ReqBody};
+use bytes::{Bytes, BytesMut};
+use http::header::{self, HeaderName};
+use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri, Version};
+use http_body::Body as _;
+use std::future::{poll_fn, Future};
+use std::io::{self, IoSlice};
+use std::pin::{pin, Pin};
+use std::task::Poll;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+/// Largest request head served here (hyper's bound is the same).
+const MAX_HEAD: usize = 64 * 1024;
+/// Most header fields of a request served here (more: hyper, which allows 100).
+const MAX_FIELDS: usize = 64;
+/// Largest request body read whole here (larger: hyper, and the handler's streaming read).
+pub const MAX_WHOLE_BODY: u64 = 1024 * 1024;
+/// What a read asks room for.
+const READ_ROOM: usize = 8 * 1024;
+/// Most bytes of next requests read while one is served (more waits in the socket).
+const MAX_AHEAD: usize = 64 * 1024;
+
+/// How a connection served here ended.
+pub enum End {
+    /// Closed (by either side, or on shutdown).
+    Closed,
+    /// A request this server does not serve: the connection goes to hyper, with these bytes
+    /// (read, not served) first.
+    HandOver(Bytes),
+}
+
+/// A head served here, read in place: where its parts are in the buffer it was read into.
+struct Head {
+    method: Method,
+    /// The request target's offset and length.
+    target: (usize, usize),
+    /// Each field's name, and its value's offset and length.
+    fields: smallvec::SmallVec<[(HeaderName, usize, usize); 16]>,
+    /// Bytes of the head.
+    len: usize,
+    /// The body's declared length.
+    body: usize,
+    /// The client asked for the connection's close.
+    close: bool,
+}
+
+impl Head {
+    /// The request, its target and field values slices of `all` (the bytes the head was
+    /// parsed from, frozen: no copy each); `None` when the target is not a URI.
+    fn request(&self, all: &Bytes, body: Bytes) -> Option<Request<ReqBody>> {
+        let (at, n) = self.target;
+        let uri = Uri::from_maybe_shared(all.slice(at..at + n)).ok()?;
+        let mut headers = HeaderMap::with_capacity(self.fields.len());
+        for (name, at, n) in &self.fields {
+            let v = HeaderValue::from_maybe_shared(all.slice(*at..*at + *n)).ok()?;
+            headers.append(name.clone(), v);
+        }
+        let mut req = Request::new(ReqBody::Whole(Some(body)));
+        *req.method_mut() = self.method.clone();
+        *req.uri_mut() = uri;
+        *req.version_mut() = Version::HTTP_11;
+        *req.headers_mut() = headers;
+        Some(req)
+    }
+}
+
+/// Serves requests on `io` until the connection ends or a request is handed over.
+/// `body_wait`: how long the rest of a body may take to come before the connection goes to
+/// hyper (whose handler then reads it under its own bounds).
+pub async fn serve<H: Handler>(
+    io: &mut TcpStream,
+    body_wait: Duration,
+    stopping: &watch::Receiver<bool>,
+    svc: &H,
+) -> End {
+    let mut buf = BytesMut::with_capacity(READ_ROOM);
+    let mut out: Vec<u8> = Vec::with_capacity(1024);
+    let (mut watch_stop, peek_stop) = (stopping.clone(), stopping.clone());
+    if *peek_stop.borrow() {
+        return End::Closed;
+    }
+    // Made once: resolves when the shutdown begins (polled only while idle).
+    let mut stop = pin!(async move {
+        let _ = watch_stop.changed().await;
+    });
+    loop {
+        if buf.is_empty() {
+            buf.reserve(READ_ROOM);
+            let read = {
+                let mut read = pin!(io.read_buf(&mut buf));
+                poll_fn(|cx| {
+                    if let Poll::Ready(r) = read.as_mut().poll(cx) {
+                        return Poll::Ready(Some(r));
+                    }
+                    stop.as_mut().poll(cx).map(|()| None)
+                })
+                .await
+            };
+            match read {
+                Some(Ok(n)) if n > 0 => {}
+                _ => return End::Closed,
+            }
+        }
+        let Some(head) = parse(&buf) else {
+            return End::HandOver(buf.freeze());
+        };
+        // The body, whole: waited for (under a deadline) only when it is not all here yet.
+        let whole = head.len + head.body;
+        if buf.len() < whole {
+            buf.reserve(whole - buf.len());
+            let deadline = tokio::time::Instant::now() + body_wait;
+            while buf.len() < whole {
+                match tokio::time::timeout_at(deadline, io.read_buf(&mut buf)).await {
+                    Ok(Ok(n)) if n > 0 => {}
+                    // Late, cut short or broken: hyper reads on (and answers) as it would have.
+                    _ => return End::HandOver(buf.freeze()),
+                }
+            }
+        }
+        // Everything read so far, frozen: the head's parts and the body are slices of it;
+        // what lies past this request (pipelined) goes back to the buffer.
+        let all = buf.split().freeze();
+        let body = all.slice(head.len..whole);
+        let Some(req) = head.request(&all, body) else {
+            return End::HandOver(all);
+        };
+        if all.len() > whole {
+            buf.extend_from_slice(&all[whole..]);
+        }
+        drop(all);
+        let answer = watched(svc.call(req), io, &mut buf).await;
+        let Some(Ok(resp)) = answer else {
+            // The client went away: its request's work goes on detached (see `Detach`).
+            return End::Closed;
+        };
+        let close = head.close || peek_stop.has_changed().unwrap_or(true);
+        if write(io, resp, close, &mut out, &mut buf).await.is_err() || close {
+            let _ = io.shutdown().await;
+            return End::Closed;
+        }
+    }
+}
+
+/// The request at the front of `buf` when it is one served here: a whole HTTP/1.1 head
+/// without `Expect`, `Upgrade`, `Transfer-Encoding` or a connection option other than
+/// `close` and `keep-alive`, with at most one plain `Content-Length` no larger than
+/// [`MAX_WHOLE_BODY`]. `None`: anything else (hyper's to serve).
+fn parse(buf: &BytesMut) -> Option<Head> {
+    let mut slots = [const { std::mem::MaybeUninit::uninit() }; MAX_FIELDS];
+    let mut r = httparse::Request::new(&mut []);
+    let len = match httparse::ParserConfig::default()
+        .parse_request_with_uninit_headers(&mut r, buf, &mut slots)
+    {
+        Ok(httparse::Status::Complete(n)) if n <= MAX_HEAD => n,
+        _ => return None,
+    };
+    if r.version != Some(1) {
+        return None;
+    }
+    let method = match r.method? {
+        "POST" => Method::POST,
+        "GET" => Method::GET,
+        "HEAD" | "CONNECT" => return None,
+        m => Method::from_bytes(m.as_bytes()).ok()?,
+    };
+    let base = buf.as_ptr() as usize;
+    let at = |s: &[u8]| (s.as_ptr() as usize - base, s.len());
+    let target = at(r.path?.as_bytes());
+    let mut fields = smallvec::SmallVec::new();
+    let (mut body, mut close) = (None, false);
+    for h in r.headers.iter() {
+        let name = request_field(h.name.as_bytes())?;
+        if name == header::CONTENT_LENGTH {
+            if body.is_some() {
+                return None;
+            }
+            body = Some(super::h1::content_length(h.value).filter(|&n| n <= MAX_WHOLE_BODY)?);
+        } else if name == header::CONNECTION {
+            for t in h.value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+                if t.eq_ignore_ascii_case(b"close") {
+                    close = true;
+                } else if !t.eq_ignore_ascii_case(b"keep-alive") {
+                    return None;
+                }
+            }
+        } else if name == header::TRANSFER_ENCODING
+            || name == header::EXPECT
+            || name == header::UPGRADE
+        {
+            return None;
+        }
+        let (at, n) = at(h.value);
+        fields.push((name, at, n));
+    }
+    Some(Head {
+        method,
+        target,
+        fields,
+        len,
+        body: body.unwrap_or(0) as usize,
+        close,
+    })
+}
+
+/// A request field's name: the names clients send most matched whole (a length compare,
+/// then a few bytes), the rest through `HeaderName::from_bytes`.
+fn request_field(b: &[u8]) -> Option<HeaderName> {
+    Some(match b {
+        b"Host" | b"host" => header::HOST,
+        b"Content-Type" | b"content-type" => header::CONTENT_TYPE,
+        b"Content-Length" | b"content-length" => header::CONTENT_LENGTH,
+        b"Authorization" | b"authorization" => header::AUTHORIZATION,
+        b"User-Agent" | b"user-agent" => header::USER_AGENT,
+        b"Accept" | b"accept" => header::ACCEPT,
+        b"Accept-Encoding" | b"accept-encoding" => header::ACCEPT_ENCODING,
+        b"Connection" | b"connection" => header::CONNECTION,
+        _ => return HeaderName::from_bytes(b).ok(),
+    })
+}
+
+/// `fut`'s output, or `None` when the client closes (or breaks) the connection first. Bytes
+/// that come meanwhile (a next request) are kept in `buf`, up to [`MAX_AHEAD`]. The read side
+/// is only looked at when readiness says something came: no system call otherwise.
+async fn watched<T>(fut: impl Future<Output = T>, io: &TcpStream, buf: &mut BytesMut) -> Option<T> {
+    let mut fut = pin!(fut);
+    let mut watching = true;
+    poll_fn(|cx| {
+        if let Poll::Ready(v) = fut.as_mut().poll(cx) {
+            return Poll::Ready(Some(v));
+        }
+        while watching {
+            match io.poll_read_ready(cx) {
+                Poll::Pending => break,
+                Poll::Ready(Err(_)) => return Poll::Ready(None),
+                Poll::Ready(Ok(())) => {}
+            }
+            if buf.len() >= MAX_AHEAD {
+                // Too much ahead: no more is read (nor a close seen) until this answer is out.
+                watching = false;
+                break;
+            }
+            buf.reserve(READ_ROOM);
+            match io.try_read_buf(buf) {
+                Ok(0) => return Poll::Ready(None),
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(_) => return Poll::Ready(None),
+            }
+        }
+        Poll::Pending
+    })
+    .await
+}
+
+/// How an answer's body is delimited on the wire.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    /// No body (1xx, 204, 304).
+    None,
+    Length(u64),
+    Chunked,
+}
+
+/// Why an answer could not be written whole: the connection is closed after it.
+struct Cut;
+
+/// Writes `resp` and its body. `Err`: the connection cannot carry another answer (the client
+/// went, the body broke, or it did not match its length).
+async fn write(
+    io: &mut TcpStream,
+    resp: Response<Body>,
+    close: bool,
+    out: &mut Vec<u8>,
+    ahead: &mut BytesMut,
+) -> Result<(), Cut> {
+    let (parts, mut body) = resp.into_parts();
+    let status = parts.status.as_u16();
+    let framing = if matches!(status, 100..=199 | 204 | 304) {
+        Framing::None
+    } else if let Some(n) = body.size_hint().exact() {
+        Framing::Length(n)
+    } else {
+        Framing::Chunked
+    };
+    out.clear();
+    head(out, &parts, framing, close);
+    if framing == Framing::None {
+        return send(io, &mut [IoSlice::new(out)]).await;
+    }
+    let mut head_out = false;
+    let mut sent = 0u64;
+    loop {
+        // The next piece: looked at once at once (a whole body is ready; it goes out with the
+        // head in one write), else the head goes out first and the piece is awaited.
+        let frame = match poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await {
+            Poll::Ready(f) => f,
+            Poll::Pending => {
+                if !head_out {
+                    send(io, &mut [IoSlice::new(out)]).await?;
+                    head_out = true;
+                }
+                let next = poll_fn(|cx| Pin::new(&mut body).poll_frame(cx));
+                watched(next, io, ahead).await.ok_or(Cut)?
+            }
+        };
+        let data = match frame {
+            None => break,
+            Some(Err(_)) => return Err(Cut),
+            Some(Ok(f)) => match f.into_data() {
+                Ok(d) => d,
+                Err(_) => continue,
+            },
+        };
+        if data.is_empty() {
+            continue;
+        }
+        sent = sent.saturating_add(data.len() as u64);
+        let last = body.is_end_stream();
+        let head_part: &[u8] = if head_out { &[] } else { out };
+        head_out = true;
+        match framing {
+            Framing::Length(n) => {
+                if sent > n {
+                    return Err(Cut);
+                }
+                send(io, &mut [IoSlice::new(head_part), IoSlice::new(&data)]).await?;
+            }
+            _ => {
+                let mut size = [0u8; 20];
+                let line = chunk_line(&mut size, data.len());
+                let tail: &[u8] = if last { b"\r\n0\r\n\r\n" } else { b"\r\n" };
+                let mut parts = [
+                    IoSlice::new(head_part),
+                    IoSlice::new(line),
+                    IoSlice::new(&data),
+                    IoSlice::new(tail),
+                ];
+                send(io, &mut parts).await?;
+                if last {
+                    return Ok(());
+                }
+            }
+        }
+        if last {
+            break;
+        }
+    }
+    let head_part: &[u8] = if head_out { &[] } else { out };
+    match framing {
+        Framing::Length(n) if sent != n => {
+            // Short of its length: what was sent stands, the connection cannot go on.
+            let _ = send(io, &mut [IoSlice::new(head_part)]).await;
+            Err(Cut)
+        }
+        Framing::Length(_) => send(io, &mut [IoSlice::new(head_part)]).await,
+        _ => {
+            send(
+                io,
+                &mut [IoSlice::new(head_part), IoSlice::new(b"0\r\n\r\n")],
+            )
+            .await
+        }
+    }
+}
+
+/// A chunk's size line (`<hex>\r\n`) in `buf`.
+fn chunk_line(buf: &mut [u8; 20], n: usize) -> &[u8] {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut i = 18;
+    let mut n = n;
+    loop {
+        i -= 1;
+        buf[i] = HEX[n & 15];
+        n >>= 4;
+        if n == 0 {
+            break;
+        }
+    }
+    buf[18] = b'\r';
+    buf[19] = b'\n';
+    &buf[i..]
+}
+
+/// The answer's head: status line, the handler's fields (not its framing ones: the framing is
+/// written here), `date` when it has none, and the framing.
+fn head(out: &mut Vec<u8>, parts: &http::response::Parts, framing: Framing, close: bool) {
+    let status = parts.status;
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\n");
+    for (name, value) in &parts.headers {
+        if name == header::CONTENT_LENGTH
+            || name == header::TRANSFER_ENCODING
+            || name == header::CONNECTION
+            || name.as_str() == "keep-alive"
+        {
+            continue;
+        }
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    if !parts.headers.contains_key(header::DATE) {
+        out.extend_from_slice(b"date: ");
+        date(out);
+        out.extend_from_slice(b"\r\n");
+    }
+    if close {
+        out.extend_from_slice(b"connection: close\r\n");
+    }
+    match framing {
+        Framing::None => {}
+        Framing::Length(n) => {
+            out.extend_from_slice(b"content-length: ");
+            out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+        Framing::Chunked => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+thread_local! {
+    /// The HTTP date of the current second, and the second it is of.
+    static DATE: std::cell::Cell<(u64, [u8; 29])> = const { std::cell::Cell::new((0, [0; 29])) };
+}
+
+/// Appends the current time as an HTTP date (made once a second per thread).
+fn date(out: &mut Vec<u8>) {
+    let now = std::time::SystemTime::now();
+    let secs = now
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (at, text) = DATE.with(std::cell::Cell::get);
+    if at == secs && at != 0 {
+        out.extend_from_slice(&text);
+        return;
+    }
+    let s = httpdate::fmt_http_date(now);
+    let mut text = [b' '; 29];
+    let n = s.len().min(29);
+    text[..n].copy_from_slice(&s.as_bytes()[..n]);
+    DATE.with(|d| d.set((secs, text)));
+    out.extend_from_slice(&text);
+}
+
+/// Writes all of `parts` (empty ones skipped).
+async fn send(io: &mut TcpStream, parts: &mut [IoSlice<'_>]) -> Result<(), Cut> {
+    let mut parts: &mut [IoSlice<'_>] = parts;
+    IoSlice::advance_slices(&mut parts, 0);
+    while !parts.is_empty() {
+        match io.write_vectored(parts).await {
+            Ok(0) | Err(_) => return Err(Cut),
+            Ok(n) => IoSlice::advance_slices(&mut parts, n),
+        }
+    }
+    Ok(())
+}
+
+/// A connection handed over to hyper: the bytes already read from it come first.
+#[derive(Debug)]
+pub struct Rewind {
+    first: Bytes,
+    io: TcpStream,
+}
+
+impl Rewind {
+    pub fn new(first: Bytes, io: TcpStream) -> Self {
+        Rewind { first, io }
+    }
+}
+
+impl tokio::io::AsyncRead for Rewind {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        out: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if !self.first.is_empty() {
+            let n = self.first.len().min(out.remaining());
+            out.put_slice(&self.first.split_to(n));
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.io).poll_read(cx, out)
+    }
+}
+
+impl tokio::io::AsyncWrite for Rewind {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The request served here from `raw`, with its head's length, declared body and close.
+    fn parsed(raw: &str) -> Option<(Request<ReqBody>, usize, usize, bool)> {
+        let buf = BytesMut::from(raw.as_bytes());
+        let h = parse(&buf)?;
+        let all = buf.freeze();
+        let req = h.request(&all, Bytes::new())?;
+        Some((req, h.len, h.body, h.close))
+    }
+
+    #[test]
+    fn a_plain_request_is_served_here() {
+        let raw = "POST /v1/chat/completions?x=1 HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\nX-Y: z\r\n\r\n{}";
+        let (req, len, body, close) = parsed(raw).expect("served");
+        assert_eq!(req.method(), Method::POST);
+        assert_eq!(req.uri().path(), "/v1/chat/completions");
+        assert_eq!(req.uri().query(), Some("x=1"));
+        assert_eq!(req.headers()["x-y"], "z");
+        assert_eq!(req.headers()["content-length"], "2");
+        assert_eq!(req.version(), Version::HTTP_11);
+        assert_eq!((len, body, close), (raw.len() - 2, 2, false));
+        let (_, _, body, close) =
+            parsed("GET / HTTP/1.1\r\nConnection: Keep-Alive, close\r\n\r\n").expect("served");
+        assert_eq!((body, close), (0, true));
+    }
+
+    #[test]
+    fn everything_unusual_goes_to_hyper() {
+        for raw in [
+            "POST / HTTP/1.1\r\nHost: a\r\n",                 // head not whole
+            "POST / HTTP/1.0\r\nContent-Length: 2\r\n\r\n{}", // HTTP/1.0
+            "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",               // h2c preface
+            "POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", // chunked body
+            "POST / HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}",
+            "POST / HTTP/1.1\r\nContent-Length: +2\r\n\r\n{}",
+            "POST / HTTP/1.1\r\nContent-Length: 1048577\r\n\r\n",
+            "POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n",
+            "GET / HTTP/1.1\r\nUpgrade: h2c\r\nConnection: Upgrade, HTTP2-Settings\r\n\r\n",
+            "HEAD / HTTP/1.1\r\n\r\n",
+            "GET / HTTP/1.1\r\nBad Name: x\r\n\r\n",
+            "GET http://[::1 HTTP/1.1\r\n\r\n",
+        ] {
+            assert!(parsed(raw).is_none(), "{raw:?}");
+        }
+        let many: String = (0..MAX_FIELDS + 1)
+            .map(|i| format!("x-{i}: v\r\n"))
+            .collect();
+        assert!(parsed(&format!("GET / HTTP/1.1\r\n{many}\r\n")).is_none());
+    }
+
+    #[test]
+    fn chunk_lines_are_hex() {
+        let mut b = [0u8; 20];
+        assert_eq!(chunk_line(&mut b, 0), b"0\r\n");
+        assert_eq!(chunk_line(&mut b, 255), b"ff\r\n");
+        assert_eq!(chunk_line(&mut b, usize::MAX), b"ffffffffffffffff\r\n");
+    }
+
+    #[test]
+    fn a_head_frames_its_body_and_says_close() {
+        let mut resp = Response::new(());
+        resp.headers_mut()
+            .insert("content-length", HeaderValue::from_static("99"));
+        resp.headers_mut()
+            .insert("x-a", HeaderValue::from_static("b"));
+        resp.headers_mut()
+            .insert("date", HeaderValue::from_static("D"));
+        let (parts, ()) = resp.into_parts();
+        let mut out = Vec::new();
+        head(&mut out, &parts, Framing::Length(7), true);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "HTTP/1.1 200 OK\r\nx-a: b\r\ndate: D\r\nconnection: close\r\ncontent-length: 7\r\n\r\n"
+        );
+        let mut out = Vec::new();
+        head(&mut out, &parts, Framing::Chunked, false);
+        let s = String::from_utf8(out).unwrap();
+        assert!(
+            s.ends_with("transfer-encoding: chunked\r\n\r\n") && !s.contains("99"),
+            "{s}"
+        );
+    }
+}
