@@ -19,6 +19,7 @@
 //! once and a busy one after its answer, which says `connection: close`.
 
 use super::server::Handler;
+use super::stamps::Stamps;
 use crate::body::{Body, ReqBody};
 use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderName};
@@ -152,7 +153,8 @@ pub async fn serve<H: Handler>(
             buf.extend_from_slice(&all[whole..]);
         }
         drop(all);
-        let answer = watched(svc.call(req), io, &mut buf).await;
+        // Made in its box (not moved there, nor through the frames below it).
+        let answer = watched(pin_in_place!(svc.call(req)), io, &mut buf).await;
         let Some(Ok(resp)) = answer else {
             // The client went away: its request's work goes on detached (see `Detach`).
             return End::Closed;
@@ -406,7 +408,8 @@ fn chunk_line(buf: &mut [u8; 20], n: usize) -> &[u8] {
 }
 
 /// The answer's head: status line, the handler's fields (not its framing ones: the framing is
-/// written here), `date` when it has none, and the framing.
+/// written here; not those its stamped fields replace), the stamped fields, `date` when it has
+/// none, and the framing.
 fn head(out: &mut Vec<u8>, parts: &http::response::Parts, framing: Framing, close: bool) {
     let status = parts.status;
     out.extend_from_slice(b"HTTP/1.1 ");
@@ -414,11 +417,13 @@ fn head(out: &mut Vec<u8>, parts: &http::response::Parts, framing: Framing, clos
     out.push(b' ');
     out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
     out.extend_from_slice(b"\r\n");
+    let stamps = parts.extensions.get::<Stamps>();
     for (name, value) in &parts.headers {
         if name == header::CONTENT_LENGTH
             || name == header::TRANSFER_ENCODING
             || name == header::CONNECTION
             || name.as_str() == "keep-alive"
+            || stamps.is_some_and(|s| s.covers(name))
         {
             continue;
         }
@@ -426,6 +431,9 @@ fn head(out: &mut Vec<u8>, parts: &http::response::Parts, framing: Framing, clos
         out.extend_from_slice(b": ");
         out.extend_from_slice(value.as_bytes());
         out.extend_from_slice(b"\r\n");
+    }
+    if let Some(s) = stamps {
+        out.extend_from_slice(s.lines());
     }
     if !parts.headers.contains_key(header::DATE) {
         out.extend_from_slice(b"date: ");

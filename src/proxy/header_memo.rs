@@ -68,15 +68,9 @@ pub(crate) fn listed<K: 'static, V: 'static, R, E>(
     Ok(r)
 }
 
-/// A number as a header value, in one allocation (`HeaderValue::from(u64)` makes two: a
-/// growing buffer, then its conversion).
-pub(crate) fn int(n: u64) -> HeaderValue {
-    HeaderValue::from_str(itoa::Buffer::new().format(n)).unwrap_or_else(|_| HeaderValue::from(n))
-}
-
 #[cfg(test)]
 mod tests {
-    use super::{int, listed, value, List, Slot};
+    use super::{listed, value, List, Slot};
     use http::HeaderValue;
     use std::cell::Cell;
 
@@ -107,13 +101,6 @@ mod tests {
         assert!(value(&S, |k| *k == 9, || None).is_none());
         assert_eq!(get(5).unwrap(), "5");
         assert_eq!(made.get(), 3);
-    }
-
-    #[test]
-    fn numbers_read_as_http_writes_them() {
-        for n in [0, 7, 256, 99_999_999_960, u64::MAX] {
-            assert_eq!(int(n), HeaderValue::from(n));
-        }
     }
 
     thread_local! {

@@ -4,15 +4,10 @@
 //! fields) for every windowed token bound.
 
 use super::header_memo;
+use super::stamps::{Fields, Stamp};
 use crate::governor::limits::{tightest, TokenLimit};
 use crate::units::Millis;
-use http::{HeaderMap, HeaderName, HeaderValue};
-
-static H_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit-tokens");
-static H_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining-tokens");
-static H_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset-tokens");
-static H_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
-static H_RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+use http::HeaderValue;
 
 /// Seconds until `at`, rounded up, never negative.
 fn secs_until(at: Millis, now: Millis) -> u64 {
@@ -135,10 +130,6 @@ fn state_field(limits: &[TokenLimit], now: Millis) -> String {
 type PolicyKey = Vec<(std::sync::Arc<str>, u64, u64)>;
 
 thread_local! {
-    /// The last `x-ratelimit-limit-tokens` and `x-ratelimit-reset-tokens` values this thread
-    /// wrote, by the number they were written from.
-    static LIMIT_VALUE: header_memo::Slot<u64> = const { std::cell::RefCell::new(None) };
-    static RESET_VALUE: header_memo::Slot<u64> = const { std::cell::RefCell::new(None) };
     /// The last `RateLimit-Policy` value this thread built. It changes only with the policy
     /// and the set of bounds a request falls under, so most answers reuse it (a clone of a
     /// shared buffer) instead of writing and validating it again.
@@ -169,38 +160,25 @@ fn policy_value(limits: &[TokenLimit]) -> Option<HeaderValue> {
     })
 }
 
-/// Stamps the token rate-limit headers of an answer whose call was admitted.
-pub fn stamp(h: &mut HeaderMap, limits: &[TokenLimit]) {
+/// Stamps the token rate-limit headers of an answer whose call was admitted. Every value is
+/// carriable as made: digits, an OpenAI duration, structured-field strings of printable ASCII.
+pub fn stamp(f: &mut impl Fields, limits: &[TokenLimit]) {
     let Some(t) = tightest(limits) else {
         return;
     };
     let now = crate::units::now_ms();
-    // The limit and the reset's seconds mostly repeat from one answer to the next.
-    let limit = header_memo::value(
-        &LIMIT_VALUE,
-        |k| *k == t.limit,
-        || Some((t.limit, HeaderValue::from(t.limit))),
-    );
-    if let Some(v) = limit {
-        h.insert(H_LIMIT.clone(), v);
-    }
-    h.insert(H_REMAINING.clone(), header_memo::int(t.remaining));
+    let mut n = itoa::Buffer::new();
+    f.put_known(Stamp::LimitTokens, n.format(t.limit).as_bytes());
+    f.put_known(Stamp::RemainingTokens, n.format(t.remaining).as_bytes());
     if let Some(reset) = t.resets_at_ms {
-        let secs = secs_until(reset, now);
-        let v = header_memo::value(
-            &RESET_VALUE,
-            |k| *k == secs,
-            || Some((secs, HeaderValue::from_str(&openai_duration(secs)).ok()?)),
+        f.put_known(
+            Stamp::ResetTokens,
+            openai_duration(secs_until(reset, now)).as_bytes(),
         );
-        if let Some(v) = v {
-            h.insert(H_RESET.clone(), v);
-        }
     }
     if let Some(p) = policy_value(limits) {
-        if let Ok(s) = HeaderValue::from_str(&state_field(limits, now)) {
-            h.insert(H_POLICY.clone(), p);
-            h.insert(H_RATELIMIT.clone(), s);
-        }
+        f.put_known(Stamp::RateLimitPolicy, p.as_bytes());
+        f.put_known(Stamp::RateLimit, state_field(limits, now).as_bytes());
     }
 }
 
@@ -259,7 +237,7 @@ mod tests {
             tl("tpm", true, 20000, 18766, Some(60)),
             tl("per-job", false, 30000, 100, None),
         ];
-        let mut h = HeaderMap::new();
+        let mut h = http::HeaderMap::new();
         stamp(&mut h, &limits);
         assert_eq!(h["x-ratelimit-limit-tokens"], "20000");
         assert_eq!(h["x-ratelimit-remaining-tokens"], "18766");
@@ -269,7 +247,7 @@ mod tests {
             .unwrap()
             .starts_with("\"tpm\""));
         // No rate limit: the tightest token bound of any kind, without a reset if unwindowed.
-        let mut h = HeaderMap::new();
+        let mut h = http::HeaderMap::new();
         stamp(&mut h, &limits[1..]);
         assert_eq!(h["x-ratelimit-remaining-tokens"], "100");
         assert!(!h.contains_key("x-ratelimit-reset-tokens"));

@@ -18,6 +18,7 @@ pub mod redact;
 pub mod respond;
 pub mod server;
 pub mod snapshot;
+pub mod stamps;
 pub mod stream;
 pub mod transport;
 pub mod workers;

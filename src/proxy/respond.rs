@@ -3,12 +3,13 @@
 
 use super::identity::IdentityError;
 use super::snapshot::Snapshot;
+use super::stamps::{Fields, Stamp};
 use crate::dialect::Dialect;
 use crate::estimate::{Endpoint, EstimateError};
 use crate::governor::limits::LimitDetail;
 use crate::governor::{FinalAction, ReasonClass, Record};
 use crate::units::fmt_amount;
-use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
+use http::{HeaderName, HeaderValue, Response, StatusCode};
 use serde_json::json;
 
 pub use crate::body::{full, Body, BoxError};
@@ -318,47 +319,26 @@ fn tollgate_object(rec: &Record) -> serde_json::Value {
     })
 }
 
-thread_local! {
-    /// The last `x-tollgate-backend` value this thread wrote, by its backend's name.
-    static BACKEND_VALUE: super::header_memo::Slot<std::sync::Arc<str>> =
-        const { std::cell::RefCell::new(None) };
+/// Stamps an answer with the record: its own fields (decision, ids, readable limits; see
+/// [`super::stamps`]) and `Retry-After`.
+pub fn stamp<B>(resp: &mut Response<B>, rec: &Record, snap: &Snapshot) {
+    let mut s = super::stamps::Stamps::with_capacity(384);
+    fields(&mut s, rec, snap);
+    resp.extensions_mut().insert(s);
+    if let Some(ra) = rec.retry_after {
+        resp.headers_mut()
+            .insert(http::header::RETRY_AFTER, HeaderValue::from(ra));
+    }
 }
 
-static H_REQUEST_ID: HeaderName = HeaderName::from_static("x-tollgate-request-id");
-static H_ACTION: HeaderName = HeaderName::from_static("x-tollgate-action");
-static H_REASON: HeaderName = HeaderName::from_static("x-tollgate-reason");
-static H_BACKEND: HeaderName = HeaderName::from_static("x-tollgate-backend");
-static H_VERSION: HeaderName = HeaderName::from_static("x-tollgate-policy-version");
-/// The `x-tollgate-*` headers (and `Retry-After`, the token rate-limit headers).
-pub fn stamp(h: &mut HeaderMap, rec: &Record, snap: &Snapshot) {
-    if let Ok(v) = HeaderValue::from_str(&rec.request_id) {
-        h.insert(H_REQUEST_ID.clone(), v);
-    }
-    h.insert(
-        H_ACTION.clone(),
-        HeaderValue::from_static(rec.final_action.as_str()),
-    );
-    h.insert(
-        H_REASON.clone(),
-        HeaderValue::from_static(rec.reason_class.as_str()),
-    );
-    // The backend mostly repeats from one answer to the next (by pointer: the policy's name).
-    let backend = super::header_memo::value(
-        &BACKEND_VALUE,
-        |k| std::sync::Arc::ptr_eq(k, &rec.backend),
-        || {
-            let v = HeaderValue::from_str(&rec.backend).ok()?;
-            Some((rec.backend.clone(), v))
-        },
-    );
-    if let Some(v) = backend {
-        h.insert(H_BACKEND.clone(), v);
-    }
-    h.insert(H_VERSION.clone(), snap.version_header.clone());
-    super::limit_headers::stamp(h, &rec.token_limits);
-    if let Some(ra) = rec.retry_after {
-        h.insert(http::header::RETRY_AFTER, HeaderValue::from(ra));
-    }
+/// The record's own fields of an answer, into `f`.
+pub fn fields(f: &mut impl Fields, rec: &Record, snap: &Snapshot) {
+    f.put(Stamp::RequestId, rec.request_id.as_bytes());
+    f.put_known(Stamp::Action, rec.final_action.as_str().as_bytes());
+    f.put_known(Stamp::Reason, rec.reason_class.as_str().as_bytes());
+    f.put(Stamp::Backend, rec.backend.as_bytes());
+    f.put_known(Stamp::PolicyVersion, snap.version_header.as_bytes());
+    super::limit_headers::stamp(f, &rec.token_limits);
 }
 
 /// The OpenAI-style error response for a refusal, stamped with the record.
@@ -386,7 +366,7 @@ pub fn refusal_in(api: Dialect, r: &Refusal, rec: &Record, snap: &Snapshot) -> R
         http::header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    stamp(resp.headers_mut(), rec, snap);
+    stamp(&mut resp, rec, snap);
     resp
 }
 
@@ -444,7 +424,7 @@ pub fn static_answer(
     let mut resp = Response::new(full(body));
     resp.headers_mut()
         .insert(http::header::CONTENT_TYPE, HeaderValue::from_static(ctype));
-    stamp(resp.headers_mut(), rec, snap);
+    stamp(&mut resp, rec, snap);
     resp
 }
 

@@ -174,7 +174,13 @@ async fn connection<H: Handler>(
                 port,
             )),
             service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                svc.call(req.map(crate::body::ReqBody::Hyper))
+                let answer = svc.call(req.map(crate::body::ReqBody::Hyper));
+                async move {
+                    let mut resp = answer.await?;
+                    // hyper writes the answer from its map: the stamped fields go in there.
+                    super::stamps::into_headers(&mut resp);
+                    Ok::<_, std::convert::Infallible>(resp)
+                }
             }),
         )
         .into_owned();

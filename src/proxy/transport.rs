@@ -439,8 +439,10 @@ impl Call<'_> {
         let first_byte = t.first_byte.min(t.total);
         // A cleartext upstream's connection goes back to its pool when its body is read to
         // the end: at once for a buffered answer, when the stream ends for a stream.
-        let resp = match tokio::time::timeout(first_byte, self.transport.send(req, t.connect)).await
-        {
+        // The send made in its box: not moved into the timer's future and through the
+        // frames of every future above this one.
+        let send = pin_in_place!(self.transport.send(req, t.connect));
+        let resp = match tokio::time::timeout(first_byte, send).await {
             Err(_) => return failure(FailureClass::Timeout, None, None),
             Ok(Err(())) => return failure(FailureClass::Connect, None, None),
             Ok(Ok(r)) => r,

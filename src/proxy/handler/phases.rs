@@ -542,8 +542,7 @@ fn upstream_response(
     let mut resp = Response::new(body);
     *resp.status_mut() = status;
     *resp.headers_mut() = headers;
-    let h = resp.headers_mut();
-    redact::headers(snap, h);
-    respond::stamp(h, rec, snap);
+    redact::headers(snap, resp.headers_mut());
+    respond::stamp(&mut resp, rec, snap);
     resp
 }
