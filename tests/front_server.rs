@@ -304,3 +304,37 @@ async fn an_idle_connection_is_closed_at_shutdown_and_a_busy_one_after_its_answe
     assert!(a.head.contains("connection: close"), "{}", a.head);
     stopping.await.unwrap();
 }
+
+#[tokio::test]
+async fn an_idle_keep_alive_connection_is_closed_at_the_header_timeout() {
+    let mock = MockUpstream::start_with_default(vec![], Answer::ok_chat("fine", 5, 6)).await;
+    let yaml = policy(&mock).replacen(
+        "backends:",
+        "server: {header_read_timeout: 400ms}\nbackends:",
+        1,
+    );
+    let sc = Sidecar::start(&yaml).await;
+    let mut s = TcpStream::connect(sc.running.addr).await.unwrap();
+    let mut buf = BytesMut::new();
+    // Busy connections are not cut: three answers, each well inside the timeout of the last.
+    for _ in 0..3 {
+        s.write_all(request("", &body(false)).as_bytes())
+            .await
+            .unwrap();
+        assert_eq!(answer(&mut s, &mut buf).await.status, 200);
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let idle_from = std::time::Instant::now();
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read_buf(&mut buf))
+        .await
+        .expect("closed within 5 s")
+        .unwrap_or(0);
+    assert_eq!(n, 0, "{:?}", String::from_utf8_lossy(&buf));
+    // 400 ms from the last answer, of which 250 ms had passed.
+    assert!(
+        idle_from.elapsed() >= Duration::from_millis(100),
+        "closed after {:?}",
+        idle_from.elapsed()
+    );
+    sc.stop().await;
+}

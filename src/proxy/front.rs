@@ -15,8 +15,9 @@
 //! As with hyper: the client's close (or a broken connection) while its request is worked on
 //! drops the handler's future (the governed work runs on to its end, detached, and is recorded
 //! as the client's disconnect); bytes of a next (pipelined) request are kept, up to
-//! [`MAX_AHEAD`]; `Connection: close` is honoured; on shutdown an idle connection closes at
-//! once and a busy one after its answer, which says `connection: close`.
+//! [`MAX_AHEAD`]; `Connection: close` is honoured; a connection idle for the header timeout
+//! is closed; on shutdown an idle connection closes at once and a busy one after its answer,
+//! which says `connection: close`.
 
 use super::server::Handler;
 use super::stamps::Stamps;
@@ -90,11 +91,12 @@ impl Head {
 }
 
 /// Serves requests on `io` until the connection ends or a request is handed over.
-/// `body_wait`: how long the rest of a body may take to come before the connection goes to
-/// hyper (whose handler then reads it under its own bounds).
+/// `header_timeout` bounds the wait for a next request (then the connection closes) and for
+/// the rest of a body that came in pieces (then the connection goes to hyper, whose handler
+/// reads it under its own bounds).
 pub async fn serve<H: Handler>(
     io: &mut TcpStream,
-    body_wait: Duration,
+    header_timeout: Duration,
     stopping: &watch::Receiver<bool>,
     svc: &H,
 ) -> End {
@@ -108,14 +110,26 @@ pub async fn serve<H: Handler>(
     let mut stop = pin!(async move {
         let _ = watch_stop.changed().await;
     });
+    // The wait for a next request is bounded by the header timeout, as hyper's was (its
+    // header timer started as soon as it waited for a head). One timer for the connection,
+    // moved on only when it fires early: an idle wait costs a clock read, not a timer.
+    let mut idle = pin!(tokio::time::sleep(header_timeout));
     loop {
         if buf.is_empty() {
             buf.reserve(READ_ROOM);
+            let since = tokio::time::Instant::now();
             let read = {
                 let mut read = pin!(io.read_buf(&mut buf));
                 poll_fn(|cx| {
                     if let Poll::Ready(r) = read.as_mut().poll(cx) {
                         return Poll::Ready(Some(r));
+                    }
+                    while idle.as_mut().poll(cx).is_ready() {
+                        let due = since + header_timeout;
+                        if tokio::time::Instant::now() >= due {
+                            return Poll::Ready(None);
+                        }
+                        idle.as_mut().reset(due);
                     }
                     stop.as_mut().poll(cx).map(|()| None)
                 })
@@ -133,7 +147,7 @@ pub async fn serve<H: Handler>(
         let whole = head.len + head.body;
         if buf.len() < whole {
             buf.reserve(whole - buf.len());
-            let deadline = tokio::time::Instant::now() + body_wait;
+            let deadline = tokio::time::Instant::now() + header_timeout;
             while buf.len() < whole {
                 match tokio::time::timeout_at(deadline, io.read_buf(&mut buf)).await {
                     Ok(Ok(n)) if n > 0 => {}
