@@ -214,7 +214,16 @@ async fn unusual_requests_are_still_answered_on_the_same_connection() {
     s.write_all(&req.as_bytes()[..20]).await.unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await;
     s.write_all(&req.as_bytes()[20..]).await.unwrap();
-    assert_eq!(answer(&mut s, &mut buf).await.status, 200);
+    let a = answer(&mut s, &mut buf).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    // hyper writes the sidecar's own fields too (put into its map from the answer's lines).
+    for field in [
+        "x-tollgate-action: allow",
+        "x-tollgate-request-id: ",
+        "x-tollgate-policy-version: front-1",
+    ] {
+        assert_eq!(a.head.matches(field).count(), 1, "{field} in {}", a.head);
+    }
     // Expect: 100-continue, answered 100 then the answer.
     let b = body(false);
     let head = format!(
