@@ -121,6 +121,17 @@ async fn start() -> (MockUpstream, Sidecar) {
     (mock, sc)
 }
 
+/// A connection to `sc` that has had one plain request answered (served by the own server).
+async fn after_one_answer(sc: &Sidecar) -> (TcpStream, BytesMut) {
+    let mut s = TcpStream::connect(sc.running.addr).await.unwrap();
+    let mut buf = BytesMut::new();
+    s.write_all(request("", &body(false)).as_bytes())
+        .await
+        .unwrap();
+    assert_eq!(answer(&mut s, &mut buf).await.status, 200);
+    (s, buf)
+}
+
 #[tokio::test]
 async fn pipelined_requests_are_answered_in_order_with_their_own_records() {
     // Pipelined requests are served one after the other: the script's answers come in order.
@@ -203,13 +214,8 @@ async fn a_body_that_comes_in_pieces_is_waited_for() {
 #[tokio::test]
 async fn unusual_requests_are_still_answered_on_the_same_connection() {
     let (mock, sc) = start().await;
-    let mut s = TcpStream::connect(sc.running.addr).await.unwrap();
-    let mut buf = BytesMut::new();
     // A plain one first (served here), then a head in two pieces (hyper from there on).
-    s.write_all(request("", &body(false)).as_bytes())
-        .await
-        .unwrap();
-    assert_eq!(answer(&mut s, &mut buf).await.status, 200);
+    let (mut s, mut buf) = after_one_answer(&sc).await;
     let req = request("", &body(false));
     s.write_all(&req.as_bytes()[..20]).await.unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -264,12 +270,7 @@ async fn unusual_requests_are_still_answered_on_the_same_connection() {
 #[tokio::test]
 async fn a_malformed_request_after_a_good_one_gets_the_shaped_400() {
     let (_mock, sc) = start().await;
-    let mut s = TcpStream::connect(sc.running.addr).await.unwrap();
-    let mut buf = BytesMut::new();
-    s.write_all(request("", &body(false)).as_bytes())
-        .await
-        .unwrap();
-    assert_eq!(answer(&mut s, &mut buf).await.status, 200);
+    let (mut s, mut buf) = after_one_answer(&sc).await;
     s.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nBad Name: x\r\n\r\n")
         .await
         .unwrap();
