@@ -106,7 +106,7 @@ pub async fn serve<H: Handler>(
     if *peek_stop.borrow() {
         return End::Closed;
     }
-    // Made once: resolves when the shutdown begins (polled only while idle).
+    // Made once: resolves when the shutdown begins.
     let mut stop = pin!(async move {
         let _ = watch_stop.changed().await;
     });
@@ -114,6 +114,10 @@ pub async fn serve<H: Handler>(
     // header timer started as soon as it waited for a head). One timer for the connection,
     // moved on only when it fires early: an idle wait costs a clock read, not a timer.
     let mut idle = pin!(tokio::time::sleep(header_timeout));
+    // The shutdown's and the timer's futures are polled once, to register this task's waker
+    // (which stays the same for the connection's life); after that a wake-up from either is
+    // read from their state, not by polling them again.
+    let mut armed = false;
     loop {
         if buf.is_empty() {
             buf.reserve(READ_ROOM);
@@ -124,14 +128,24 @@ pub async fn serve<H: Handler>(
                     if let Poll::Ready(r) = read.as_mut().poll(cx) {
                         return Poll::Ready(Some(r));
                     }
-                    while idle.as_mut().poll(cx).is_ready() {
+                    if !armed {
+                        armed = true;
+                        if stop.as_mut().poll(cx).is_ready() {
+                            return Poll::Ready(None);
+                        }
+                        let _ = idle.as_mut().poll(cx);
+                    } else if peek_stop.has_changed().unwrap_or(true) {
+                        return Poll::Ready(None);
+                    }
+                    while idle.is_elapsed() {
                         let due = since + header_timeout;
                         if tokio::time::Instant::now() >= due {
                             return Poll::Ready(None);
                         }
                         idle.as_mut().reset(due);
+                        let _ = idle.as_mut().poll(cx);
                     }
-                    stop.as_mut().poll(cx).map(|()| None)
+                    Poll::Pending
                 })
                 .await
             };
@@ -304,8 +318,19 @@ enum Framing {
 /// Why an answer could not be written whole: the connection is closed after it.
 struct Cut;
 
+/// A piece at least this large is written from its own buffer (not copied into the one that
+/// gathers what goes out together).
+const OWN_WRITE: usize = 16 * 1024;
+/// Most bytes gathered before they go out, however many pieces are ready.
+const GATHER: usize = 64 * 1024;
+
 /// Writes `resp` and its body. `Err`: the connection cannot carry another answer (the client
 /// went, the body broke, or it did not match its length).
+///
+/// What goes out together: the head and every piece of the body already there when it is
+/// looked at (a whole body: one write with the head; a stream's events that came in one read
+/// of the upstream: one write). Nothing waits to be gathered: when the body has nothing ready,
+/// what was gathered goes out before the next piece is awaited.
 async fn write(
     io: &mut TcpStream,
     resp: Response<Body>,
@@ -327,17 +352,15 @@ async fn write(
     if framing == Framing::None {
         return send(io, &mut [IoSlice::new(out)]).await;
     }
-    let mut head_out = false;
+    let chunked = framing == Framing::Chunked;
     let mut sent = 0u64;
     loop {
-        // The next piece: looked at once at once (a whole body is ready; it goes out with the
-        // head in one write), else the head goes out first and the piece is awaited.
         let frame = match poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await {
             Poll::Ready(f) => f,
             Poll::Pending => {
-                if !head_out {
+                if !out.is_empty() {
                     send(io, &mut [IoSlice::new(out)]).await?;
-                    head_out = true;
+                    out.clear();
                 }
                 let next = poll_fn(|cx| Pin::new(&mut body).poll_frame(cx));
                 watched(next, io, ahead).await.ok_or(Cut)?
@@ -345,61 +368,71 @@ async fn write(
         };
         let data = match frame {
             None => break,
-            Some(Err(_)) => return Err(Cut),
+            Some(Err(_)) => {
+                // What was gathered stands; the connection cannot go on.
+                let _ = send(io, &mut [IoSlice::new(out)]).await;
+                return Err(Cut);
+            }
             Some(Ok(f)) => match f.into_data() {
-                Ok(d) => d,
-                Err(_) => continue,
+                Ok(d) if !d.is_empty() => d,
+                _ => continue,
             },
         };
-        if data.is_empty() {
+        sent = sent.saturating_add(data.len() as u64);
+        if let Framing::Length(n) = framing {
+            if sent > n {
+                let _ = send(io, &mut [IoSlice::new(out)]).await;
+                return Err(Cut);
+            }
+        }
+        let mut size = [0u8; 20];
+        let line: &[u8] = if chunked {
+            chunk_line(&mut size, data.len())
+        } else {
+            &[]
+        };
+        let last = body.is_end_stream();
+        let tail: &[u8] = match (chunked, last) {
+            (false, _) => &[],
+            (true, false) => b"\r\n",
+            (true, true) => b"\r\n0\r\n\r\n",
+        };
+        if last || data.len() >= OWN_WRITE {
+            // Out at once, the piece from its own buffer: a whole body with its head.
+            let mut parts = [
+                IoSlice::new(out),
+                IoSlice::new(line),
+                IoSlice::new(&data),
+                IoSlice::new(tail),
+            ];
+            send(io, &mut parts).await?;
+            out.clear();
+            if last {
+                return length_kept(framing, sent);
+            }
             continue;
         }
-        sent = sent.saturating_add(data.len() as u64);
-        let last = body.is_end_stream();
-        let head_part: &[u8] = if head_out { &[] } else { out };
-        head_out = true;
-        match framing {
-            Framing::Length(n) => {
-                if sent > n {
-                    return Err(Cut);
-                }
-                send(io, &mut [IoSlice::new(head_part), IoSlice::new(&data)]).await?;
-            }
-            _ => {
-                let mut size = [0u8; 20];
-                let line = chunk_line(&mut size, data.len());
-                let tail: &[u8] = if last { b"\r\n0\r\n\r\n" } else { b"\r\n" };
-                let mut parts = [
-                    IoSlice::new(head_part),
-                    IoSlice::new(line),
-                    IoSlice::new(&data),
-                    IoSlice::new(tail),
-                ];
-                send(io, &mut parts).await?;
-                if last {
-                    return Ok(());
-                }
-            }
-        }
-        if last {
-            break;
+        out.extend_from_slice(line);
+        out.extend_from_slice(&data);
+        out.extend_from_slice(tail);
+        if out.len() >= GATHER {
+            send(io, &mut [IoSlice::new(out)]).await?;
+            out.clear();
         }
     }
-    let head_part: &[u8] = if head_out { &[] } else { out };
+    if chunked {
+        out.extend_from_slice(b"0\r\n\r\n");
+    }
+    send(io, &mut [IoSlice::new(out)]).await?;
+    length_kept(framing, sent)
+}
+
+/// `Err` when a body sent fewer bytes than its length said (what went out stands; the
+/// connection cannot go on).
+fn length_kept(framing: Framing, sent: u64) -> Result<(), Cut> {
     match framing {
-        Framing::Length(n) if sent != n => {
-            // Short of its length: what was sent stands, the connection cannot go on.
-            let _ = send(io, &mut [IoSlice::new(head_part)]).await;
-            Err(Cut)
-        }
-        Framing::Length(_) => send(io, &mut [IoSlice::new(head_part)]).await,
-        _ => {
-            send(
-                io,
-                &mut [IoSlice::new(head_part), IoSlice::new(b"0\r\n\r\n")],
-            )
-            .await
-        }
+        Framing::Length(n) if sent != n => Err(Cut),
+        _ => Ok(()),
     }
 }
 
