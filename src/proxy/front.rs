@@ -46,6 +46,16 @@ const READ_ROOM: usize = 8 * 1024;
 /// Most bytes of next requests read while one is served (more waits in the socket).
 const MAX_AHEAD: usize = 64 * 1024;
 
+/// A port's bounds for a connection, read from the policy in force when it was accepted.
+#[derive(Debug, Clone, Copy)]
+pub struct Bounds {
+    /// The longest wait for a next request, and for the rest of a body that came in pieces.
+    pub header_timeout: Duration,
+    /// `server.max_body_bytes`: a larger declared body is hyper's (and the handler's 413),
+    /// never read here.
+    pub max_body: u64,
+}
+
 /// How a connection served here ended.
 pub enum End {
     /// Closed (by either side, or on shutdown).
@@ -96,10 +106,11 @@ impl Head {
 /// reads it under its own bounds).
 pub async fn serve<H: Handler>(
     io: &mut TcpStream,
-    header_timeout: Duration,
+    bounds: Bounds,
     stopping: &watch::Receiver<bool>,
     svc: &H,
 ) -> End {
+    let header_timeout = bounds.header_timeout;
     let mut buf = BytesMut::with_capacity(READ_ROOM);
     let mut out: Vec<u8> = Vec::with_capacity(1024);
     let (mut watch_stop, peek_stop) = (stopping.clone(), stopping.clone());
@@ -154,7 +165,7 @@ pub async fn serve<H: Handler>(
                 _ => return End::Closed,
             }
         }
-        let Some(head) = parse(&buf) else {
+        let Some(head) = parse(&buf, bounds.max_body) else {
             return End::HandOver(buf.freeze());
         };
         // The body, whole: waited for (under a deadline) only when it is not all here yet.
@@ -198,8 +209,8 @@ pub async fn serve<H: Handler>(
 /// The request at the front of `buf` when it is one served here: a whole HTTP/1.1 head
 /// without `Expect`, `Upgrade`, `Transfer-Encoding` or a connection option other than
 /// `close` and `keep-alive`, with at most one plain `Content-Length` no larger than
-/// [`MAX_WHOLE_BODY`]. `None`: anything else (hyper's to serve).
-fn parse(buf: &BytesMut) -> Option<Head> {
+/// [`MAX_WHOLE_BODY`] nor `max_body`. `None`: anything else (hyper's to serve).
+fn parse(buf: &BytesMut, max_body: u64) -> Option<Head> {
     let mut slots = [const { std::mem::MaybeUninit::uninit() }; MAX_FIELDS];
     let mut r = httparse::Request::new(&mut []);
     let len = match httparse::ParserConfig::default()
@@ -228,7 +239,8 @@ fn parse(buf: &BytesMut) -> Option<Head> {
             if body.is_some() {
                 return None;
             }
-            body = Some(super::h1::content_length(h.value).filter(|&n| n <= MAX_WHOLE_BODY)?);
+            let most = MAX_WHOLE_BODY.min(max_body);
+            body = Some(super::h1::content_length(h.value).filter(|&n| n <= most)?);
         } else if name == header::CONNECTION {
             for t in h.value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
                 if t.eq_ignore_ascii_case(b"close") {
@@ -610,7 +622,7 @@ mod tests {
     /// The request served here from `raw`, with its head's length, declared body and close.
     fn parsed(raw: &str) -> Option<(Request<ReqBody>, usize, usize, bool)> {
         let buf = BytesMut::from(raw.as_bytes());
-        let h = parse(&buf)?;
+        let h = parse(&buf, 4 << 20)?;
         let all = buf.freeze();
         let req = h.request(&all, Bytes::new())?;
         Some((req, h.len, h.body, h.close))
@@ -654,6 +666,9 @@ mod tests {
             .map(|i| format!("x-{i}: v\r\n"))
             .collect();
         assert!(parsed(&format!("GET / HTTP/1.1\r\n{many}\r\n")).is_none());
+        // Over the policy's body limit: the handler's 413, under hyper, never read here.
+        let buf = BytesMut::from(&b"POST / HTTP/1.1\r\nContent-Length: 11\r\n\r\n"[..]);
+        assert!(parse(&buf, 10).is_none() && parse(&buf, 11).is_some());
     }
 
     #[test]

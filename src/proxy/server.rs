@@ -100,7 +100,11 @@ pub async fn serve<H: Handler>(
                     }
                 };
                 let server = &app.snap.load().policy.server;
-                let (header_timeout, max) = (server.header_read_timeout, server.max_connections);
+                let bounds = super::front::Bounds {
+                    header_timeout: server.header_read_timeout,
+                    max_body: server.max_body_bytes,
+                };
+                let max = server.max_connections;
                 let Some(slot) = gate.enter(max as usize) else {
                     tokio::spawn(conn::refuse(stream, port));
                     continue;
@@ -110,7 +114,7 @@ pub async fn serve<H: Handler>(
                 let watcher = graceful.watcher();
                 let stopping = stop.clone();
                 let Some(workers) = workers.as_ref() else {
-                    tokio::spawn(connection(stream, slot, header_timeout, port, stopping, watcher, svc));
+                    tokio::spawn(connection(stream, slot, bounds, port, stopping, watcher, svc));
                     continue;
                 };
                 // The socket leaves this runtime's reactor for the worker's.
@@ -119,7 +123,7 @@ pub async fn serve<H: Handler>(
                 worker.spawn(async move {
                     let _open = open;
                     let Ok(stream) = tokio::net::TcpStream::from_std(std) else { return };
-                    connection(stream, slot, header_timeout, port, stopping, watcher, svc).await;
+                    connection(stream, slot, bounds, port, stopping, watcher, svc).await;
                 });
             }
             _ = stop.changed() => break,
@@ -144,7 +148,7 @@ pub async fn serve<H: Handler>(
 async fn connection<H: Handler>(
     stream: tokio::net::TcpStream,
     slot: conn::Slot,
-    header_timeout: Duration,
+    bounds: super::front::Bounds,
     port: &'static str,
     mut stopping: watch::Receiver<bool>,
     watcher: hyper_util::server::graceful::Watcher,
@@ -155,7 +159,7 @@ async fn connection<H: Handler>(
     // instead of sitting open forever, and at once on shutdown (it holds a watcher, so the
     // drain would otherwise wait for it).
     let spoke = tokio::select! {
-        spoke = conn::first_byte(&stream, header_timeout, port) => spoke,
+        spoke = conn::first_byte(&stream, bounds.header_timeout, port) => spoke,
         _ = stopping.changed() => false,
     };
     if !spoke {
@@ -163,11 +167,11 @@ async fn connection<H: Handler>(
     }
     // Served here while its requests are the common kind; the rest of it goes to hyper.
     let mut stream = stream;
-    let first = match super::front::serve(&mut stream, header_timeout, &stopping, &svc).await {
+    let first = match super::front::serve(&mut stream, bounds, &stopping, &svc).await {
         super::front::End::Closed => return,
         super::front::End::HandOver(first) => first,
     };
-    let conn = builder(header_timeout)
+    let conn = builder(bounds.header_timeout)
         .serve_connection(
             TokioIo::new(conn::Shaped::new(
                 super::front::Rewind::new(first, stream),
