@@ -234,7 +234,7 @@ fn parse(buf: &BytesMut, max_body: u64) -> Option<Head> {
     let mut fields = smallvec::SmallVec::new();
     let (mut body, mut close) = (None, false);
     for h in r.headers.iter() {
-        let name = request_field(h.name.as_bytes())?;
+        let (name, _) = super::h1::field_name(h.name.as_bytes())?;
         if name == header::CONTENT_LENGTH {
             if body.is_some() {
                 return None;
@@ -265,22 +265,6 @@ fn parse(buf: &BytesMut, max_body: u64) -> Option<Head> {
         len,
         body: body.unwrap_or(0) as usize,
         close,
-    })
-}
-
-/// A request field's name: the names clients send most matched whole (a length compare,
-/// then a few bytes), the rest through `HeaderName::from_bytes`.
-fn request_field(b: &[u8]) -> Option<HeaderName> {
-    Some(match b {
-        b"Host" | b"host" => header::HOST,
-        b"Content-Type" | b"content-type" => header::CONTENT_TYPE,
-        b"Content-Length" | b"content-length" => header::CONTENT_LENGTH,
-        b"Authorization" | b"authorization" => header::AUTHORIZATION,
-        b"User-Agent" | b"user-agent" => header::USER_AGENT,
-        b"Accept" | b"accept" => header::ACCEPT,
-        b"Accept-Encoding" | b"accept-encoding" => header::ACCEPT_ENCODING,
-        b"Connection" | b"connection" => header::CONNECTION,
-        _ => return HeaderName::from_bytes(b).ok(),
     })
 }
 
