@@ -30,7 +30,7 @@ wait_port() { for _ in $(seq 600); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/n
 # measure NAME PORT CMD...: runs CMD under callgrind, prints instructions per request.
 measure() {
   local name=$1 port=$2; shift 2
-  env ${VG_PRELOAD:+LD_PRELOAD=$VG_PRELOAD} valgrind --tool=callgrind --callgrind-out-file="$OUT/$name.%p" "$@" >"$OUT/$name.log" 2>&1 &
+  env ${VG_PRELOAD:+LD_PRELOAD=$VG_PRELOAD} valgrind --tool=callgrind ${VG_ARGS:-} --callgrind-out-file="$OUT/$name.%p" "$@" >"$OUT/$name.log" 2>&1 &
   local vg=$!; pids+=($vg)
   wait_port "$port"
   send "$port" 20

@@ -8,6 +8,7 @@
 #   POLICY=bench/policy-default.yaml bench/callgrind.sh     (the SQLite default-state target)
 #   VARY=1 bench/callgrind.sh             (every request's prompt differs: no count from the memo)
 #   KEEP=1 bench/callgrind.sh             (keep the dumps in /tmp/tollgate-cg/ for callgrind_annotate)
+#   VG_ARGS=--separate-threads=yes KEEP=1 bench/callgrind.sh   (one dump per thread)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${N:-500}

@@ -10,6 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DUR=${DUR:-10s}
 PASSES=${PASSES:-3}
+CONNS=${CONNS:-1 16 64}   # CONNS=1: the latency figure alone
 TICK=$(getconf CLK_TCK)
 command -v wrk >/dev/null && command -v nginx >/dev/null || { echo "needs wrk and nginx (apt-get install wrk nginx)"; exit 2; }
 BIN=${BIN:-./target/release/tollgate}   # BIN=path: bench that binary instead of building
@@ -65,7 +66,7 @@ TARGETS="direct nginx tollgate tollgate-sqlite"
 # ratios compare runs seconds apart; each figure is the median pass.
 declare -A RESULTS
 for _ in $(seq "$PASSES"); do
-  for c in 1 16 64; do
+  for c in $CONNS; do
     for target in $TARGETS; do
       read -r url pid <<<"$(url_of "$target")"
       RESULTS[$target/$c]+="$(run "$target" "$url" "$pid" "$c")"$'\n'
@@ -76,7 +77,7 @@ echo "| target | conns | req/s | p50 µs | p99 µs | proxy CPU µs/req | errors 
 echo "| --- | --- | --- | --- | --- | --- | --- |"
 declare -A RPS CPU P50
 for target in $TARGETS; do
-  for c in 1 16 64; do
+  for c in $CONNS; do
     median=$(printf '%s' "${RESULTS[$target/$c]}" | sort -n -k1 | sed -n "$(( (PASSES + 1) / 2 ))p")
     read -r rps p50 p99 cpu errors <<<"$median"
     RPS[$target/$c]=$rps; CPU[$target/$c]=$cpu; P50[$target/$c]=$p50
@@ -85,7 +86,8 @@ for target in $TARGETS; do
 done
 echo
 for t in tollgate tollgate-sqlite; do
-  for c in 16 64; do
+  for c in $CONNS; do
+    [ "$c" != 1 ] || continue
     awk -v t="$t" -v c="$c" -v r="${RPS[$t/$c]}" -v rn="${RPS[nginx/$c]}" -v u="${CPU[$t/$c]}" -v un="${CPU[nginx/$c]}" \
       'BEGIN{printf "%s at %s connections: %.0f %% of nginx req/s, %.2fx nginx CPU per request\n", t, c, 100*r/rn, u/un}'
   done

@@ -19,6 +19,7 @@
 //! is closed; on shutdown an idle connection closes at once and a busy one after its answer,
 //! which says `connection: close`.
 
+use super::finish::After;
 use super::server::Handler;
 use super::stamps::Stamps;
 use crate::body::{Body, ReqBody};
@@ -194,12 +195,18 @@ pub async fn serve<H: Handler>(
         drop(all);
         // Made in its box (not moved there, nor through the frames below it).
         let answer = watched(pin_in_place!(svc.call(req)), io, &mut buf).await;
-        let Some(Ok(resp)) = answer else {
+        let Some(Ok(mut resp)) = answer else {
             // The client went away: its request's work goes on detached (see `Detach`).
             return End::Closed;
         };
+        // The record's closing waits until the answer is out (see `After`).
+        let after = resp.extensions_mut().remove::<After>();
         let close = head.close || peek_stop.has_changed().unwrap_or(true);
-        if write(io, resp, close, &mut out, &mut buf).await.is_err() || close {
+        let cut = write(io, resp, close, &mut out, &mut buf).await.is_err();
+        if let Some(wait) = after.and_then(|a| a.run(cut)) {
+            wait.await;
+        }
+        if cut || close {
             let _ = io.shutdown().await;
             return End::Closed;
         }

@@ -183,6 +183,12 @@ async fn connection<H: Handler>(
                     let mut resp = answer.await?;
                     // hyper writes the answer from its map: the stamped fields go in there.
                     super::stamps::into_headers(&mut resp);
+                    // hyper writes the answer after this returns: the record is closed first,
+                    // as the answer is handed over.
+                    let after = resp.extensions_mut().remove::<super::finish::After>();
+                    if let Some(wait) = after.and_then(|a| a.run(false)) {
+                        wait.await;
+                    }
                     Ok::<_, std::convert::Infallible>(resp)
                 }
             }),

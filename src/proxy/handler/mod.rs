@@ -3,7 +3,7 @@
 //! ([`phases`]): identify → read → estimate → route → govern (gates, reserve, call) →
 //! reconcile → record.
 
-use super::finish::{close, Origin, Sent};
+use super::finish::{close, After, Origin, Sent};
 use super::respond::{self, full, Body, Refusal};
 use super::snapshot::Snapshot;
 use super::transport::Transport;
@@ -311,9 +311,31 @@ fn finish(app: &App, origin: Origin, mut record: Record) -> Option<QueueWait> {
         &app.snap.load().policy,
         origin,
         record,
-        Sent::Whole,
+        Sent::Whole(crate::telemetry::otel::take()),
     );
     app.audit.queue(entry)
+}
+
+/// The closing of a governed request answered in one piece, left for after its answer is
+/// written (see [`After`]). What only the request's scope knows (a client gone, the trace) is
+/// read now; the write's own failure is added when it runs.
+fn after(app: &Arc<App>, origin: Origin, mut record: Record) -> After {
+    if scope::client_gone() {
+        record.client_disconnected = true;
+    }
+    let trace = crate::telemetry::otel::take();
+    let app = app.clone();
+    After::new(move |cut| {
+        record.client_disconnected |= cut;
+        let entry = close(
+            &app.governor,
+            &app.snap.load().policy,
+            origin,
+            record,
+            Sent::Whole(trace),
+        );
+        app.audit.queue(entry)
+    })
 }
 
 /// Awaits a full audit queue's wait, if there is one.

@@ -11,8 +11,7 @@ use super::super::respond::{self, full, is_hop_by_hop, Body, Refusal};
 use super::super::snapshot::Snapshot;
 use super::super::stream::{self, StreamWire};
 use super::super::transport::{Call, NativeBody, UpBody, UpstreamResponse};
-use super::{body, endpoint_name, finish, local_json, usage, App, Origin};
-use crate::audit::QueueWait;
+use super::{after, body, endpoint_name, local_json, usage, App, Origin};
 use crate::body::ReqBody;
 use crate::dialect::{self, render::Meta, Dialect, Inbound, Op};
 use crate::estimate::{self, Endpoint, Estimate};
@@ -26,7 +25,7 @@ use std::time::Instant;
 
 /// Runs the phases of one governed request.
 pub(super) async fn governed_here(
-    app: &App,
+    app: &Arc<App>,
     snap: Arc<Snapshot>,
     endpoint: Endpoint,
     inb: &Inbound,
@@ -48,25 +47,20 @@ pub(super) async fn governed_here(
     let ready = match cx.prepare(who, &mut parts.headers, body).await {
         Ok(Next::Govern(ready)) => ready,
         Ok(Next::Answered(resp)) => return resp,
-        Err(refusal) => {
-            let (resp, wait) = cx.early(refusal);
-            super::wait(wait).await;
-            return resp;
-        }
+        Err(refusal) => return cx.early(refusal),
     };
     let (served, est) = cx.govern(ready, &parts.headers).await;
-    // The answer is handed back once its record is queued (at once when the queue had room).
-    let (resp, wait) = cx.reconcile(served, &est);
-    super::wait(wait).await;
-    resp
+    // The record is closed once the answer is written (see `After`).
+    cx.reconcile(served, &est)
 }
 
-/// An answer, and the wait for room in a full audit queue its record may need.
-type Answer = (Response<Body>, Option<QueueWait>);
+/// An answer in one piece, carrying its record's closing ([`After`]), or a stream (which
+/// closes its record when it ends).
+type Answer = Response<Body>;
 
 /// What one request carries from phase to phase.
 struct Ctx<'a> {
-    app: &'a App,
+    app: &'a Arc<App>,
     /// The policy snapshot the request started under; it keeps it to the end.
     snap: &'a Arc<Snapshot>,
     inb: &'a Inbound,
@@ -328,7 +322,7 @@ impl<'a> Ctx<'a> {
                 // The body goes its own way (buffered or streamed); the rest stays.
                 match std::mem::replace(&mut payload.body, UpBody::Buffered(Bytes::new())) {
                     UpBody::Buffered(b) => self.buffered(payload, b, *pending, est),
-                    UpBody::Stream(s) => (self.streamed(payload, s, pending, est), None),
+                    UpBody::Stream(s) => self.streamed(payload, s, pending, est),
                 }
             }
             Served::Passthrough { payload } => {
@@ -441,13 +435,13 @@ impl<'a> Ctx<'a> {
         let origin = self.origin();
         let rec = r.record_early(self.rec);
         let resp = respond::refusal(&r, &rec, self.snap);
-        (resp, finish(self.app, origin, rec))
+        closed_after(resp, self.app, origin, rec)
     }
 
-    /// Records the request and hands back its answer (everything but a stream).
+    /// Hands back the answer (everything but a stream) with its record's closing.
     fn finish(self, resp: Response<Body>) -> Answer {
         let origin = self.origin();
-        (resp, finish(self.app, origin, self.rec))
+        closed_after(resp, self.app, origin, self.rec)
     }
 
     fn origin(&self) -> Origin {
@@ -544,5 +538,11 @@ fn upstream_response(
     *resp.headers_mut() = headers;
     redact::headers(snap, resp.headers_mut());
     respond::stamp(&mut resp, rec, snap);
+    resp
+}
+
+/// `resp` with the closing of its record, run once it is written (see [`After`]).
+fn closed_after(mut resp: Response<Body>, app: &Arc<App>, origin: Origin, rec: Record) -> Answer {
+    resp.extensions_mut().insert(after(app, origin, rec));
     resp
 }
