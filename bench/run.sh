@@ -91,8 +91,16 @@ for t in tollgate tollgate-sqlite; do
     awk -v t="$t" -v c="$c" -v r="${RPS[$t/$c]}" -v rn="${RPS[nginx/$c]}" -v u="${CPU[$t/$c]}" -v un="${CPU[nginx/$c]}" \
       'BEGIN{printf "%s at %s connections: %.0f %% of nginx req/s, %.2fx nginx CPU per request\n", t, c, 100*r/rn, u/un}'
   done
+  [ -n "${P50[$t/1]:-}" ] || continue
   awk -v t="$t" -v a="${P50[$t/1]}" -v n="${P50[nginx/1]}" -v d="${P50[direct/1]}" \
     'BEGIN{printf "%s p50 added latency at 1 connection: %d µs (nginx: %d µs, %.2fx)\n", t, a-d, n-d, (n>d)?(a-d)/(n-d):0}'
+  # The same ratio from each pass's own three runs (seconds apart, so the machine's drift
+  # over the minutes falls on all three alike), and its median over the passes.
+  paste <(printf '%s' "${RESULTS[direct/1]}" | awk '{print $2}') \
+        <(printf '%s' "${RESULTS[nginx/1]}" | awk '{print $2}') \
+        <(printf '%s' "${RESULTS[$t/1]}" | awk '{print $2}') |
+    awk '$2>$1{print ($3-$1)/($2-$1)}' | sort -g |
+    awk -v t="$t" '{r[NR]=$1; s=s sprintf(" %.2f", $1)} END{if (NR) printf "%s added latency ratio per pass:%s (median %.2fx)\n", t, s, (NR%2)?r[(NR+1)/2]:(r[NR/2]+r[NR/2+1])/2}'
 done
 echo "tollgate RSS after the runs: $(awk '/VmRSS/{print $2, $3}' /proc/$TG/status)"
 echo "tollgate-sqlite RSS after the runs: $(awk '/VmRSS/{print $2, $3}' /proc/$TGD/status)"

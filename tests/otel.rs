@@ -333,6 +333,8 @@ async fn one_trace_per_request_joined_to_the_callers_with_attempt_spans_and_gena
     let (s, _, out) = post_json(&sc.chat_url(), &sbody, &[("x-request-id", "otel-2")]).await;
     assert_eq!(s, 200, "{}", String::from_utf8_lossy(&out));
     let after = unix_ns();
+    // Each record (and its span) is closed just after its answer is written.
+    sc.recorded(2).await;
     otel::flush(Duration::from_secs(10)).await;
 
     let got = std::mem::take(&mut *rx.got.lock().unwrap());
@@ -498,6 +500,8 @@ async fn an_unsampled_trace_exports_no_span_but_still_counts_and_propagates_its_
     // The caller did not sample its trace: the parent-based sampler follows it.
     let tp = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-00");
     assert_eq!(say_hi(&sc, &tp).await, 200);
+    // Each record (and its span) is closed just after its answer is written.
+    sc.recorded(1).await;
     otel::flush(Duration::from_secs(10)).await;
     let got = std::mem::take(&mut *rx.got.lock().unwrap());
     assert!(
@@ -568,6 +572,8 @@ async fn over_grpc_the_collector_gets_the_same_trace_and_metrics() {
     )
     .await;
     assert_eq!(st, 200, "{}", String::from_utf8_lossy(&out));
+    // Each record (and its span) is closed just after its answer is written.
+    sc.recorded(1).await;
     otel::flush(Duration::from_secs(10)).await;
     let got = std::mem::take(&mut *rx.got.lock().unwrap());
     let server = got
@@ -602,6 +608,8 @@ async fn a_grpc_collector_answering_an_error_status_fails_no_request_and_counts_
     for i in 0..3 {
         hi_with_id(&sc, &format!("grpc-err-{i}")).await;
     }
+    // Each record (and its span) is closed just after its answer is written.
+    sc.recorded(3).await;
     otel::flush(Duration::from_secs(10)).await;
     // The collector got the spans (it decoded them) but refused them: counted as failed.
     assert!(!rx.got.lock().unwrap().spans.is_empty());

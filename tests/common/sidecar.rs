@@ -109,6 +109,22 @@ impl Sidecar {
         text
     }
 
+    /// Waits (bounded) until `n` requests are recorded in the audit. A whole answer's record is
+    /// closed (metrics, span, audit) just after the answer is written, so a test that reads
+    /// what the closing produced right after its answer waits for this first.
+    #[allow(dead_code)]
+    pub async fn recorded(&self, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.audit_text().lines().count() < n {
+            assert!(
+                Instant::now() < deadline,
+                "{n} audit records expected:\n{}",
+                self.audit_text()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// The audit record of `request_id`, waiting (bounded) for the writer thread to flush it.
     pub async fn audit(&self, request_id: &str) -> Value {
         let deadline = Instant::now() + Duration::from_secs(10);
