@@ -128,11 +128,23 @@ impl Pools {
         req: Request<Bytes>,
         connect: Duration,
     ) -> Result<Response<UpstreamBody>, SendError> {
+        self.send_with(req, connect, &[]).await
+    }
+
+    /// [`send`](Self::send), with `extra` header lines (each `\r\nname: value`, carriable as
+    /// made) written after the request's own fields: fields the sidecar makes per attempt
+    /// (the trace context) go out without a header map's insert.
+    pub async fn send_with(
+        &self,
+        req: Request<Bytes>,
+        connect: Duration,
+        extra: &[u8],
+    ) -> Result<Response<UpstreamBody>, SendError> {
         let uri = req.uri();
         let authority = uri.authority().map_or("", |a| a.as_str());
         let pool = self.pool(authority);
         let head_request = req.method() == Method::HEAD;
-        let bytes = serialize(&req, &pool.host);
+        let bytes = serialize(&req, &pool.host, extra);
         let body = req.body();
         let lane = super::workers::lane();
         let mut stale = 0;
@@ -173,10 +185,10 @@ impl Pools {
 
 /// The request's bytes: its line (origin form: the path only), `Host`, its headers, its
 /// length, and the body when it is small enough to go in the same write.
-fn serialize(req: &Request<Bytes>, host: &HeaderValue) -> Vec<u8> {
+fn serialize(req: &Request<Bytes>, host: &HeaderValue, extra: &[u8]) -> Vec<u8> {
     let body = req.body();
     let path = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
-    let mut size = req.method().as_str().len() + path.len() + host.len() + 64;
+    let mut size = req.method().as_str().len() + path.len() + host.len() + extra.len() + 64;
     for (k, v) in req.headers() {
         size += k.as_str().len() + v.len() + 4;
     }
@@ -199,6 +211,7 @@ fn serialize(req: &Request<Bytes>, host: &HeaderValue) -> Vec<u8> {
         out.extend_from_slice(b": ");
         out.extend_from_slice(v.as_bytes());
     }
+    out.extend_from_slice(extra);
     out.extend_from_slice(b"\r\ncontent-length: ");
     out.extend_from_slice(itoa::Buffer::new().format(body.len()).as_bytes());
     out.extend_from_slice(b"\r\n\r\n");
@@ -331,5 +344,23 @@ mod tests {
         assert_eq!(host_header("127.0.0.1:11434"), "127.0.0.1:11434");
         assert_eq!(host_header("[::1]:8080"), "[::1]:8080");
         assert_eq!(host_header("up.internal"), "up.internal");
+    }
+
+    #[test]
+    fn extra_lines_go_after_the_fields_and_before_the_length() {
+        let req = Request::post("http://up.internal/v1/chat/completions")
+            .header("content-type", "application/json")
+            .body(Bytes::from_static(b"{}"))
+            .unwrap();
+        let host = HeaderValue::from_static("up.internal");
+        let out = serialize(&req, &host, b"\r\ntraceparent: 00-ab-cd-01");
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: up.internal\r\n\
+             content-type: application/json\r\ntraceparent: 00-ab-cd-01\r\n\
+             content-length: 2\r\n\r\n{}"
+        );
+        let plain = serialize(&req, &host, &[]);
+        assert!(!String::from_utf8(plain).unwrap().contains("traceparent"));
     }
 }

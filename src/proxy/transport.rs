@@ -57,17 +57,25 @@ impl Transport {
         Self::default()
     }
 
-    /// Sends a request and gives back the answer: its head, and its body to read.
+    /// Sends a request, with the trace context of its attempt's span when it has one, and
+    /// gives back the answer: its head, and its body to read.
     async fn send(
         &self,
-        req: Request<Bytes>,
+        mut req: Request<Bytes>,
         connect: Duration,
+        trace: Option<crate::telemetry::otel::Attempt>,
     ) -> Result<hyper::Response<AnswerBody>, ()> {
         if req.uri().scheme() == Some(&http::uri::Scheme::HTTP) {
-            return match self.h1.send(req, connect).await {
+            // The attempt's trace context goes out as lines of the own client's head.
+            let lines = trace.and_then(|s| s.lines(req.headers_mut()));
+            let extra = lines.as_ref().map_or(&[][..], |l| l.as_bytes());
+            return match self.h1.send_with(req, connect, extra).await {
                 Ok(r) => Ok(r.map(AnswerBody::Own)),
                 Err(_) => Err(()),
             };
+        }
+        if let Some(s) = trace {
+            s.inject(req.headers_mut());
         }
         self.client(connect)
             .request(req.map(Full::new))
@@ -423,7 +431,7 @@ impl Call<'_> {
         let start = Instant::now();
         let deadline = start + t.total;
         let wire = self.wire(backend, provider);
-        let mut req = match self.build(&spec, provider, wire, span.is_some()) {
+        let req = match self.build(&spec, provider, wire, span.is_some()) {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(backend = %backend.id, error = %e, "request cannot be sent to this backend: skipped");
@@ -433,15 +441,12 @@ impl Call<'_> {
         let Ok(permit) = self.transport.take_slot(backend) else {
             return CallResult::Skipped(Skip::Saturated);
         };
-        if let Some(s) = span {
-            s.inject(req.headers_mut());
-        }
         let first_byte = t.first_byte.min(t.total);
         // A cleartext upstream's connection goes back to its pool when its body is read to
         // the end: at once for a buffered answer, when the stream ends for a stream.
         // The send made in its box: not moved into the timer's future and through the
         // frames of every future above this one.
-        let send = pin_in_place!(self.transport.send(req, t.connect));
+        let send = pin_in_place!(self.transport.send(req, t.connect, span));
         let resp = match tokio::time::timeout(first_byte, send).await {
             Err(_) => return failure(FailureClass::Timeout, None, None),
             Ok(Err(())) => return failure(FailureClass::Connect, None, None),

@@ -24,7 +24,7 @@ mod spans;
 
 pub use config::{settings, Protocol, Settings};
 pub use context::{Root, Sampler};
-pub use spans::{is_trace_context, Attempt, RequestTrace};
+pub use spans::{is_trace_context, Attempt, RequestTrace, TraceLine};
 
 use crate::estimate::Endpoint;
 use crate::telemetry::scope;

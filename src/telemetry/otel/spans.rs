@@ -538,7 +538,43 @@ pub fn is_trace_context(name: &http::HeaderName) -> bool {
     name == TRACEPARENT || name == TRACESTATE
 }
 
+/// An attempt's `traceparent` as a line of the own HTTP/1.1 client's head:
+/// `\r\ntraceparent: 00-…` (hex digits and dashes: carriable as made).
+pub struct TraceLine([u8; 70]);
+
+impl TraceLine {
+    fn new(tp: &[u8; 55]) -> Self {
+        let mut b = [0u8; 70];
+        b[..15].copy_from_slice(b"\r\ntraceparent: ");
+        b[15..].copy_from_slice(tp);
+        TraceLine(b)
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
 impl Attempt {
+    /// This attempt's `traceparent` as a header line the own client writes as it is (no
+    /// header map insert, no `HeaderValue` made); the caller's `tracestate`, when it sent one,
+    /// goes into `headers`. `None` outside a traced request.
+    pub fn lines(self, headers: &mut http::HeaderMap) -> Option<TraceLine> {
+        with(|t| {
+            let a = t.f.attempts.get(self)?;
+            let ids = &t.f.ids;
+            if let Some(ts) = &ids.tracestate {
+                headers.insert(TRACESTATE, ts.clone());
+            }
+            Some(TraceLine::new(&context::traceparent(
+                &ids.trace_id,
+                &a.span_id,
+                ids.sampled,
+            )))
+        })
+        .flatten()
+    }
+
     /// Writes this attempt's `traceparent` (and the caller's `tracestate`) on the upstream
     /// request, which carries none of the client's (the transport does not forward them on a
     /// traced attempt).
