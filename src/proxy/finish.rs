@@ -94,6 +94,14 @@ impl After {
     }
 }
 
+/// Runs the closing taken from an answer, if it had one, and waits for room in a full audit
+/// queue: what a server does once it has written the answer (or handed it on).
+pub async fn run_after(after: Option<After>, cut: bool) {
+    if let Some(wait) = after.and_then(|a| a.run(cut)) {
+        wait.await;
+    }
+}
+
 impl Drop for After {
     fn drop(&mut self) {
         let Some(close) = self.0.take() else {

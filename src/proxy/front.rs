@@ -203,9 +203,7 @@ pub async fn serve<H: Handler>(
         let after = resp.extensions_mut().remove::<After>();
         let close = head.close || peek_stop.has_changed().unwrap_or(true);
         let cut = write(io, resp, close, &mut out, &mut buf).await.is_err();
-        if let Some(wait) = after.and_then(|a| a.run(cut)) {
-            wait.await;
-        }
+        super::finish::run_after(after, cut).await;
         if cut || close {
             let _ = io.shutdown().await;
             return End::Closed;

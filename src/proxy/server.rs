@@ -186,9 +186,7 @@ async fn connection<H: Handler>(
                     // hyper writes the answer after this returns: the record is closed first,
                     // as the answer is handed over.
                     let after = resp.extensions_mut().remove::<super::finish::After>();
-                    if let Some(wait) = after.and_then(|a| a.run(false)) {
-                        wait.await;
-                    }
+                    super::finish::run_after(after, false).await;
                     Ok::<_, std::convert::Infallible>(resp)
                 }
             }),

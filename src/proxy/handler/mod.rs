@@ -298,22 +298,12 @@ fn unknown(api: Dialect, at: Instant) -> Origin {
     }
 }
 
-/// Records a request answered in one piece (see [`close`]); a client gone by now is noted.
+/// Records a request answered in one piece now (see [`after`]).
 /// Synchronous while the audit queue has room (no future holds the record); the wait it
 /// hands back when the queue is full must be awaited.
 #[must_use = "a full audit queue's wait must be awaited"]
-fn finish(app: &App, origin: Origin, mut record: Record) -> Option<QueueWait> {
-    if scope::client_gone() {
-        record.client_disconnected = true;
-    }
-    let entry = close(
-        &app.governor,
-        &app.snap.load().policy,
-        origin,
-        record,
-        Sent::Whole(crate::telemetry::otel::take()),
-    );
-    app.audit.queue(entry)
+fn finish(app: &Arc<App>, origin: Origin, record: Record) -> Option<QueueWait> {
+    after(app, origin, record).run(false)
 }
 
 /// The closing of a governed request answered in one piece, left for after its answer is

@@ -553,6 +553,11 @@ impl TraceLine {
     pub fn as_bytes(&self) -> &[u8] {
         &self.0
     }
+
+    /// The field's value alone.
+    fn value(&self) -> &[u8] {
+        &self.0[15..]
+    }
 }
 
 impl Attempt {
@@ -577,21 +582,13 @@ impl Attempt {
 
     /// Writes this attempt's `traceparent` (and the caller's `tracestate`) on the upstream
     /// request, which carries none of the client's (the transport does not forward them on a
-    /// traced attempt).
+    /// traced attempt): [`lines`](Self::lines), with the line's value put in the map.
     pub fn inject(self, headers: &mut http::HeaderMap) {
-        with(|t| {
-            let Some(a) = t.f.attempts.get(self) else {
-                return;
-            };
-            let ids = &t.f.ids;
-            let tp = context::traceparent(&ids.trace_id, &a.span_id, ids.sampled);
-            if let Ok(v) = HeaderValue::from_bytes(&tp) {
+        if let Some(line) = self.lines(headers) {
+            if let Ok(v) = HeaderValue::from_bytes(line.value()) {
                 headers.insert(TRACEPARENT, v);
             }
-            if let Some(ts) = &ids.tracestate {
-                headers.insert(TRACESTATE, ts.clone());
-            }
-        });
+        }
     }
 
     /// Ends the attempt with its result; the served one ends with the request.
