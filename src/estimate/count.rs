@@ -12,7 +12,7 @@
 //! answering whole-token pieces with one table lookup (`ranks`), and remembering pieces' counts
 //! per thread across texts (`Words`).
 
-use super::ranks::Ranks;
+use super::ranks::{Ranks, Recent};
 use super::tables::{tables, Tables};
 use super::{memo, pretok, vocab};
 use crate::estimate::Tokenizer;
@@ -149,28 +149,35 @@ fn bpe_count(t: &'static Tables, kind: Tokenizer, s: &str) -> u64 {
     WORDS.with(|w| {
         // (Not reentrant, and never reached from within itself.)
         if let Ok(mut w) = w.try_borrow_mut() {
-            if let Some(table) = w.table(kind) {
-                return count_pieces(t, kind, s, table);
+            if let Some((table, recent)) = w.table(kind) {
+                return count_pieces(t, kind, s, table, recent);
             }
         }
         // No table for this thread (too many threads have one): a memo for this text only.
-        count_pieces(t, kind, s, &mut Words::for_one_text(s.len()))
+        count_pieces(t, kind, s, &mut Words::for_one_text(s.len()), &mut [])
     })
 }
 
-fn count_pieces(t: &'static Tables, kind: Tokenizer, s: &str, words: &mut [Word]) -> u64 {
+fn count_pieces(
+    t: &'static Tables,
+    kind: Tokenizer,
+    s: &str,
+    words: &mut [Word],
+    recent: &mut [Recent],
+) -> u64 {
     let mut total: u64 = 0;
     for (chunk, ascii) in pretok::chunks(s) {
         if ascii {
             for piece in pretok::AsciiSplit::new(kind, chunk) {
-                total = total.saturating_add(count_piece(&t.ranks, words, piece));
+                total = total.saturating_add(count_piece(&t.ranks, words, recent, piece));
             }
         } else if let Some(split) = &t.split {
             for piece in split.split(chunk) {
-                total = total.saturating_add(count_piece(&t.ranks, words, piece.as_bytes()));
+                total =
+                    total.saturating_add(count_piece(&t.ranks, words, recent, piece.as_bytes()));
             }
         } else {
-            total = total.saturating_add(count_piece(&t.ranks, words, chunk.as_bytes()));
+            total = total.saturating_add(count_piece(&t.ranks, words, recent, chunk.as_bytes()));
         }
     }
     total
@@ -200,12 +207,15 @@ impl Word {
 /// merges. Direct-mapped and keyed by the piece's bytes (compared exactly, not by hash): a slot
 /// holds the last piece that hashed to it, so a collision (accidental or crafted) only costs a
 /// miss, never a wrong count. Per thread, so no lock and no sharing: each runtime worker keeps
-/// its own ([`Words::SLOTS`] × 24 bytes, 384 KiB, per tokenizer it has counted with). At most
+/// its own ([`Words::SLOTS`] × 24 bytes, 384 KiB, and 64 KiB of [`Recent`] span look-ups, per
+/// tokenizer it has counted with). At most
 /// [`Words::MAX_TABLES`] exist at once, whatever the number of threads (`block_in_place` hands
 /// a worker's tasks to new threads): a thread past that counts each text with a memo of its
 /// own, as before the tables were kept.
 struct Words {
     tables: [Vec<Word>; 2],
+    /// The merges' recent span look-ups, per tokenizer, beside its table.
+    recent: [Vec<Recent>; 2],
 }
 
 /// Tables alive, process-wide.
@@ -216,16 +226,18 @@ impl Words {
     const MAX_TABLES: usize = 16;
 
     /// This thread's table for `kind`, made on first use if the process has room for it.
-    fn table(&mut self, kind: Tokenizer) -> Option<&mut [Word]> {
-        let t = &mut self.tables[usize::from(kind == Tokenizer::Cl100k)];
+    fn table(&mut self, kind: Tokenizer) -> Option<(&mut [Word], &mut [Recent])> {
+        let k = usize::from(kind == Tokenizer::Cl100k);
+        let (t, r) = (&mut self.tables[k], &mut self.recent[k]);
         if t.is_empty() {
             if TABLES.fetch_add(1, Ordering::Relaxed) >= Self::MAX_TABLES {
                 TABLES.fetch_sub(1, Ordering::Relaxed);
                 return None;
             }
             *t = vec![Word::EMPTY; Self::SLOTS];
+            *r = vec![Recent::default(); Recent::SLOTS];
         }
-        Some(t)
+        Some((t, r))
     }
 
     /// A memo for one text of `len` bytes: none for a short one, else one slot per 16 bytes
@@ -239,9 +251,10 @@ impl Words {
     }
 
     fn release(&mut self) {
-        for t in &mut self.tables {
+        for (t, r) in self.tables.iter_mut().zip(&mut self.recent) {
             if !t.is_empty() {
                 *t = Vec::new();
+                *r = Vec::new();
                 TABLES.fetch_sub(1, Ordering::Relaxed);
             }
         }
@@ -256,7 +269,10 @@ impl Drop for Words {
 
 thread_local! {
     static WORDS: std::cell::RefCell<Words> = const {
-        std::cell::RefCell::new(Words { tables: [Vec::new(), Vec::new()] })
+        std::cell::RefCell::new(Words {
+            tables: [Vec::new(), Vec::new()],
+            recent: [Vec::new(), Vec::new()],
+        })
     };
 }
 
@@ -273,19 +289,19 @@ pub fn forget_words() {
 /// The count of one piece, from `words` when it is there; counted by [`Ranks`] (a whole-token
 /// lookup, else the BPE merges) and remembered when it is not.
 #[inline]
-fn count_piece(ranks: &Ranks, words: &mut [Word], piece: &[u8]) -> u64 {
+fn count_piece(ranks: &Ranks, words: &mut [Word], recent: &mut [Recent], piece: &[u8]) -> u64 {
     let n = piece.len();
     if n > Word::MAX || words.is_empty() {
-        return to_u64(ranks.count(piece));
+        return to_u64(ranks.count_with(piece, recent));
     }
     let i = vocab::hash_piece(piece) as usize & (words.len() - 1);
     let Some(w) = words.get_mut(i) else {
-        return to_u64(ranks.count(piece));
+        return to_u64(ranks.count_with(piece, recent));
     };
     if usize::from(w.len) == n && vocab::same_bytes(&w.key[..n], piece) {
         return u64::from(w.count);
     }
-    let c = ranks.count(piece);
+    let c = ranks.count_with(piece, recent);
     if let Ok(count) = u8::try_from(c) {
         w.key[..n].copy_from_slice(piece);
         // `n` ≤ `Word::MAX`.

@@ -63,6 +63,31 @@ pub(crate) struct AsciiSplit<'a> {
     o200k: bool,
 }
 
+/// End of the run of ASCII lowercase letters at `j`, eight bytes at a time: in each byte of a
+/// word, adding `0x80 - b'a'` sets the high bit from `a` up and adding `0x80 - b'z' - 1` from
+/// past `z`; a byte with its own high bit set (not ASCII) is never a letter. An addition
+/// carries into the next byte only from a byte that is not a letter, and the first such byte
+/// ends the run before any byte it could have changed.
+#[inline(always)]
+fn lowercase_run(b: &[u8], mut j: usize) -> usize {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    while let Some(w) = b.get(j..j + 8) {
+        let x = u64::from_le_bytes(w.try_into().unwrap_or([0; 8]));
+        let from_a = x.wrapping_add(ONES * u64::from(0x80 - b'a'));
+        let past_z = x.wrapping_add(ONES * u64::from(0x80 - b'z' - 1));
+        let not_lower = (!(from_a & !past_z) | x) & HIGH;
+        if not_lower != 0 {
+            return j + (not_lower.trailing_zeros() / 8) as usize;
+        }
+        j += 8;
+    }
+    while b.get(j).is_some_and(u8::is_ascii_lowercase) {
+        j += 1;
+    }
+    j
+}
+
 impl<'a> AsciiSplit<'a> {
     /// `s` must be ASCII; `tok` must be `O200k` or `Cl100k` (`Chars` splits like `Cl100k`).
     pub(crate) fn new(tok: Tokenizer, s: &'a str) -> Self {
@@ -168,9 +193,7 @@ impl<'a> AsciiSplit<'a> {
         if b.get(j).is_some_and(u8::is_ascii_uppercase) {
             j += 1;
         }
-        while b.get(j).is_some_and(u8::is_ascii_lowercase) {
-            j += 1;
-        }
+        j = lowercase_run(b, j);
         let ends_clean = match b.get(j) {
             None => true,
             Some(&c) => !c.is_ascii_alphabetic() && c != b'\'',
@@ -289,7 +312,7 @@ pub(crate) fn chunks(s: &str) -> impl Iterator<Item = (&str, bool)> {
 /// The fast paths must give exactly the library's pieces and counts.
 #[cfg(test)]
 mod tests {
-    use super::AsciiSplit;
+    use super::{lowercase_run, AsciiSplit};
     use crate::estimate::count_text;
     use crate::estimate::Tokenizer;
 
@@ -382,6 +405,24 @@ mod tests {
         ] {
             for tok in [O, C] {
                 assert_eq!(count_text(tok, &text), lib(tok).count(text.as_str()) as u64);
+            }
+        }
+    }
+    #[test]
+    fn lowercase_runs_end_at_the_first_byte_that_is_not_a_lowercase_letter() {
+        // Every byte value at every position of a run longer than one word, and at its end.
+        for len in 0..20usize {
+            for at in 0..=len {
+                for c in 0..=255u8 {
+                    let mut b = vec![b'q'; len];
+                    b.insert(at, c);
+                    b.extend_from_slice(b"zz");
+                    let want = b
+                        .iter()
+                        .position(|x| !x.is_ascii_lowercase())
+                        .unwrap_or(b.len());
+                    assert_eq!(lowercase_run(&b, 0), want, "len {len} at {at} byte {c}");
+                }
             }
         }
     }

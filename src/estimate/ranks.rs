@@ -6,7 +6,7 @@
 //! rank of a byte string, if it is a token. [`Ranks`] keeps the token bytes where the binary
 //! has them (`data/*.tokens`, a one-byte length and the bytes of each token in rank order,
 //! made from tiktoken's rank files by `scripts/tiktoken-to-tokens.py`) and one open-addressing
-//! table of ranks: ~1.6 + 2 MB for `o200k_base`, built in a few milliseconds on first use.
+//! table of ranks: ~1.6 + 4 MB for `o200k_base`, built in a few milliseconds on first use.
 //!
 //! [`Ranks::count`] is tiktoken's `byte_pair_merge`: merge the adjacent pair whose merged bytes
 //! have the lowest rank (leftmost on ties) until no pair is a token. Short pieces run it in
@@ -22,13 +22,50 @@ use std::collections::BinaryHeap;
 const SHORT: usize = 32;
 const EMPTY: u32 = u32::MAX;
 
-/// A table slot: the token's rank in the low 18 bits and 14 bits of its hash and length above
-/// them, so most probes that pass a different piece are rejected from the slot alone, without
-/// reading the token's bytes; [`FREE`] marks an empty slot. (`o200k_base` has 200,000 tokens,
-/// under 2^18; the table stays at 4 bytes a slot, 2 MB, so that it mostly stays in cache.)
+/// A table slot: in its low half, the token's rank in the low 18 bits and 14 bits of its hash
+/// and length above them, so most probes that pass a different piece are rejected from the
+/// slot alone, without reading the token's bytes; in its high half, where the token's
+/// length byte is in the vocabulary's bytes, so a match is checked with one more read (not
+/// two: the rank's offset, then the bytes). [`FREE`] marks an empty slot. (`o200k_base` has
+/// 200,000 tokens, under 2^18, in 1.6 MB of bytes; its table is 4 MB.)
 const RANK_BITS: u32 = 18;
 const RANK_MASK: u32 = (1 << RANK_BITS) - 1;
-const FREE: u32 = u32::MAX;
+const FREE: u64 = u64::MAX;
+
+/// One slot of a thread's cache of recent span look-ups ([`Ranks::count_with`]): a span of
+/// three to eight bytes (`key`, its bytes little-endian, zero above them), and its rank
+/// ([`EMPTY`]: not a token). Words of a language share their stems and endings, so the merges
+/// of a text's new words mostly look up spans looked up a moment before; this answers them
+/// from a few dozen KiB that stay in cache instead of a multi-MiB table (three cache misses
+/// for a token: its slot, its offset and its bytes). The key is the span's bytes themselves,
+/// compared whole: a slot holds the last span that landed in it, never a wrong rank.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Recent {
+    key: u64,
+    rank: u32,
+    /// 0: an empty slot (no span is that short).
+    len: u32,
+}
+
+impl Recent {
+    /// Slots in a thread's cache (16 bytes each: 64 KiB).
+    pub(crate) const SLOTS: usize = 4096;
+
+    /// The bytes of a span of 3 to 8 bytes as one integer (two overlapping loads).
+    #[inline]
+    fn key(s: &[u8]) -> u64 {
+        let n = s.len();
+        if n < 4 {
+            return s.iter().rev().fold(0u64, |k, b| k << 8 | u64::from(*b));
+        }
+        let word = |i: usize| {
+            s.get(i..i + 4)
+                .and_then(|w| w.try_into().ok())
+                .map_or(0, |w| u64::from(u32::from_le_bytes(w)))
+        };
+        word(0) | word(n - 4) << (8 * (n - 4))
+    }
+}
 
 /// The slot's tag for a piece of `len` bytes with hash `h` (everything but the rank).
 #[inline]
@@ -41,8 +78,8 @@ pub(crate) struct Ranks {
     data: &'static [u8],
     /// Offset in `data` of each token's length byte, by rank.
     starts: Vec<u32>,
-    /// Open addressing, linear probing; see [`tag`].
-    table: Vec<u32>,
+    /// Open addressing, linear probing; see [`tag`] and [`FREE`].
+    table: Vec<u64>,
     mask: usize,
     /// The rank of every two-byte token, indexed by its bytes (`EMPTY` where the pair is not
     /// a token): the first round of every merge looks up only pairs.
@@ -84,9 +121,10 @@ impl Ranks {
             }
             let h = hash_piece(token);
             let mut i = h as usize & ranks.mask;
+            let at = u64::from(ranks.starts.get(rank as usize).copied().unwrap_or(0));
             while let Some(slot) = ranks.table.get_mut(i) {
                 if *slot == FREE {
-                    *slot = tag(h, token.len()) | rank;
+                    *slot = at << 32 | u64::from(tag(h, token.len()) | rank);
                     break;
                 }
                 i = (i + 1) & ranks.mask;
@@ -126,10 +164,17 @@ impl Ranks {
             if slot == FREE {
                 return None;
             }
-            if slot & !RANK_MASK == want {
-                let r = slot & RANK_MASK;
-                if same_bytes(self.token(r), piece) {
-                    return Some(r);
+            let low = slot as u32;
+            if low & !RANK_MASK == want {
+                let at = (slot >> 32) as usize;
+                let n = piece.len();
+                if self.data.get(at).is_some_and(|l| usize::from(*l) == n)
+                    && self
+                        .data
+                        .get(at + 1..at + 1 + n)
+                        .is_some_and(|t| same_bytes(t, piece))
+                {
+                    return Some(low & RANK_MASK);
                 }
             }
             i = (i + 1) & self.mask;
@@ -148,7 +193,14 @@ impl Ranks {
     }
 
     /// Tokens `piece` encodes to (tiktoken's merge rule; a token counts 1).
+    #[cfg(test)]
     pub(crate) fn count(&self, piece: &[u8]) -> usize {
+        self.count_with(piece, &mut [])
+    }
+
+    /// [`Ranks::count`], with the merges' look-ups of short spans answered from `recent` when
+    /// they were made before (an empty `recent`: every look-up goes to the table).
+    pub(crate) fn count_with(&self, piece: &[u8], recent: &mut [Recent]) -> usize {
         if piece.is_empty() {
             return 0;
         }
@@ -156,26 +208,52 @@ impl Ranks {
             return 1;
         }
         if piece.len() <= SHORT {
-            self.count_short(piece)
+            self.count_short(piece, recent)
         } else {
             self.count_long(piece)
         }
     }
 
+    /// The rank of the span `s` of a piece being merged ([`EMPTY`] when it is not a token):
+    /// a two-byte span from the table of pairs; one of three to eight bytes from `recent` when
+    /// it holds it, else from the table, and then remembered there.
+    #[inline]
+    fn span_rank(&self, s: &[u8], recent: &mut [Recent]) -> u32 {
+        let n = s.len();
+        if n == 2 || n > 8 || recent.is_empty() {
+            return self.rank_or_max(s);
+        }
+        let key = Recent::key(s);
+        let i = (key ^ n as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+        let Some(slot) = recent.get_mut(i as usize & (recent.len() - 1)) else {
+            return self.rank_or_max(s);
+        };
+        if slot.len == n as u32 && slot.key == key {
+            return slot.rank;
+        }
+        let r = self.rank_or_max(s);
+        *slot = Recent {
+            key,
+            rank: r,
+            len: n as u32,
+        };
+        r
+    }
+
     /// tiktoken's `byte_pair_merge`, on the stack: `parts[i]` is (start of part i, rank of
     /// merging parts i and i+1).
-    fn count_short(&self, piece: &[u8]) -> usize {
+    fn count_short(&self, piece: &[u8], recent: &mut [Recent]) -> usize {
         let n = piece.len();
         let mut parts = [(0u32, EMPTY); SHORT + 1];
         let mut len = n + 1;
         for (i, p) in parts.iter_mut().enumerate().take(len) {
             p.0 = i as u32;
         }
-        let span = |parts: &[(u32, u32)], i: usize, j: usize| -> u32 {
+        let mut span = |parts: &[(u32, u32)], i: usize, j: usize| -> u32 {
             match (parts.get(i), parts.get(j)) {
                 (Some(a), Some(b)) => piece
                     .get(a.0 as usize..b.0 as usize)
-                    .map_or(EMPTY, |s| self.rank_or_max(s)),
+                    .map_or(EMPTY, |s| self.span_rank(s, recent)),
                 _ => EMPTY,
             }
         };
@@ -183,11 +261,13 @@ impl Ranks {
             parts[i].1 = span(&parts, i, i + 2);
         }
         loop {
-            let live = &parts[..len.saturating_sub(1)];
-            let Some((i, &(_, r))) = live.iter().enumerate().min_by_key(|(i, (_, r))| (*r, *i))
-            else {
-                break;
-            };
+            // The lowest rank, leftmost on ties (a strict `<` keeps the first).
+            let (mut i, mut r) = (0, EMPTY);
+            for (at, p) in parts[..len.saturating_sub(1)].iter().enumerate() {
+                if p.1 < r {
+                    (i, r) = (at, p.1);
+                }
+            }
             if r == EMPTY {
                 break;
             }
@@ -306,6 +386,8 @@ mod tests {
         const BYTES: &[u8] = b"aeiou tnrsl-=_.0123456789xyzQ\xC3\xA9\x80";
         for tok in [Tokenizer::O200k, Tokenizer::Cl100k] {
             let r = ours(tok);
+            let mut tiny = [Recent::default(); 2];
+            let mut kept = vec![Recent::default(); Recent::SLOTS];
             for i in 0..4000 {
                 let len = 2 + (next() % if i % 10 == 0 { 300 } else { 40 }) as usize;
                 let piece: Vec<u8> = (0..len)
@@ -313,6 +395,12 @@ mod tests {
                     .collect();
                 let want = lib_piece(tok, &piece);
                 assert_eq!(r.count(&piece), want, "{tok:?} {piece:?}");
+                // Through a cache of recent look-ups as small as can be (two slots, shared by
+                // every span, so spans keep evicting each other) and a thread-sized one that
+                // keeps them from piece to piece: a cache that trusted its slot, or kept a
+                // rank under the wrong bytes, would miscount.
+                assert_eq!(r.count_with(&piece, &mut tiny), want, "{tok:?} {piece:?}");
+                assert_eq!(r.count_with(&piece, &mut kept), want, "{tok:?} {piece:?}");
                 if piece.len() > 1 && r.rank(&piece).is_none() {
                     assert_eq!(r.count_long(&piece), want, "heap path {tok:?} {piece:?}");
                 }
@@ -345,4 +433,17 @@ mod tests {
         // The quadratic scan would take tens of seconds here.
         assert!(start.elapsed() < std::time::Duration::from_secs(5));
     }
+    #[test]
+    fn a_recent_span_is_keyed_by_all_of_its_bytes() {
+        let bytes = b"\x01\x80the quick brown\xFF";
+        for n in 3..=8 {
+            for at in 0..=bytes.len() - n {
+                let s = &bytes[at..at + n];
+                let mut padded = [0u8; 8];
+                padded[..n].copy_from_slice(s);
+                assert_eq!(Recent::key(s), u64::from_le_bytes(padded), "{s:?}");
+            }
+        }
+    }
+
 }
