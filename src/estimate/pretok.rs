@@ -260,6 +260,26 @@ impl<'a> Iterator for AsciiSplit<'a> {
     }
 }
 
+/// Where the first byte that is not ASCII is, eight bytes at a time (a text is mostly
+/// ASCII, and this runs over all of it).
+fn first_non_ascii(b: &[u8]) -> Option<usize> {
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    let mut words = b.chunks_exact(8);
+    let mut at = 0;
+    for w in &mut words {
+        let x = u64::from_le_bytes(w.try_into().unwrap_or([0; 8])) & HIGH;
+        if x != 0 {
+            return Some(at + (x.trailing_zeros() / 8) as usize);
+        }
+        at += 8;
+    }
+    words
+        .remainder()
+        .iter()
+        .position(|c| !c.is_ascii())
+        .map(|p| at + p)
+}
+
 /// Cuts `s` into consecutive chunks, each either all ASCII (`true`) or containing non-ASCII
 /// (`false`), cutting only where the tokenizer's regex is guaranteed to end a piece.
 pub(crate) fn chunks(s: &str) -> impl Iterator<Item = (&str, bool)> {
@@ -282,10 +302,7 @@ pub(crate) fn chunks(s: &str) -> impl Iterator<Item = (&str, bool)> {
             return None;
         }
         let start = pos;
-        let Some(off) = b
-            .get(start..)
-            .and_then(|rest| rest.iter().position(|c| !c.is_ascii()))
-        else {
+        let Some(off) = b.get(start..).and_then(first_non_ascii) else {
             pos = b.len();
             return s.get(start..).map(|c| (c, true));
         };
@@ -312,7 +329,7 @@ pub(crate) fn chunks(s: &str) -> impl Iterator<Item = (&str, bool)> {
 /// The fast paths must give exactly the library's pieces and counts.
 #[cfg(test)]
 mod tests {
-    use super::{lowercase_run, AsciiSplit};
+    use super::{first_non_ascii, lowercase_run, AsciiSplit};
     use crate::estimate::count_text;
     use crate::estimate::Tokenizer;
 
@@ -422,6 +439,23 @@ mod tests {
                         .position(|x| !x.is_ascii_lowercase())
                         .unwrap_or(b.len());
                     assert_eq!(lowercase_run(&b, 0), want, "len {len} at {at} byte {c}");
+                }
+            }
+        }
+    }
+    #[test]
+    fn the_first_byte_that_is_not_ascii_is_found_wherever_it_is() {
+        for len in 0..40usize {
+            let ascii = vec![b'a'; len];
+            assert_eq!(first_non_ascii(&ascii), None, "{len}");
+            for at in 0..len {
+                for c in [0x80u8, 0xC3, 0xFF] {
+                    let mut b = ascii.clone();
+                    b[at] = c;
+                    if at + 1 < len {
+                        b[len - 1] = 0xE2;
+                    }
+                    assert_eq!(first_non_ascii(&b), Some(at), "len {len} at {at}");
                 }
             }
         }
