@@ -63,6 +63,9 @@ pub(crate) struct AsciiSplit<'a> {
     o200k: bool,
 }
 
+/// The high bit of each byte of a little-endian word (the word-at-a-time scans below).
+const HIGH: u64 = 0x8080_8080_8080_8080;
+
 /// End of the run of ASCII lowercase letters at `j`, eight bytes at a time: in each byte of a
 /// word, adding `0x80 - b'a'` sets the high bit from `a` up and adding `0x80 - b'z' - 1` from
 /// past `z`; a byte with its own high bit set (not ASCII) is never a letter. An addition
@@ -71,7 +74,6 @@ pub(crate) struct AsciiSplit<'a> {
 #[inline(always)]
 fn lowercase_run(b: &[u8], mut j: usize) -> usize {
     const ONES: u64 = 0x0101_0101_0101_0101;
-    const HIGH: u64 = 0x8080_8080_8080_8080;
     while let Some(w) = b.get(j..j + 8) {
         let x = u64::from_le_bytes(w.try_into().unwrap_or([0; 8]));
         let from_a = x.wrapping_add(ONES * u64::from(0x80 - b'a'));
@@ -263,7 +265,6 @@ impl<'a> Iterator for AsciiSplit<'a> {
 /// Where the first byte that is not ASCII is, eight bytes at a time (a text is mostly
 /// ASCII, and this runs over all of it).
 fn first_non_ascii(b: &[u8]) -> Option<usize> {
-    const HIGH: u64 = 0x8080_8080_8080_8080;
     let mut words = b.chunks_exact(8);
     let mut at = 0;
     for w in &mut words {

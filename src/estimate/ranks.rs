@@ -8,13 +8,13 @@
 //! made from tiktoken's rank files by `scripts/tiktoken-to-tokens.py`) and one open-addressing
 //! table of ranks: ~1.6 + 4 MB for `o200k_base`, built in a few milliseconds on first use.
 //!
-//! [`Ranks::count`] is tiktoken's `byte_pair_merge`: merge the adjacent pair whose merged bytes
+//! [`Ranks::count_with`] is tiktoken's `byte_pair_merge`: merge the adjacent pair whose merged bytes
 //! have the lowest rank (leftmost on ties) until no pair is a token. Short pieces run it in
 //! place on the stack; longer ones (rare: long runs of spaces, digits, symbols) use a heap of
 //! candidate pairs, so a crafted 1 MB "word" costs O(n log n), not O(n²). Tests check both
 //! against the `bpe-openai` library on random input.
 
-use super::vocab::{hash_piece, same_bytes};
+use super::vocab::{hash_piece, load4, same_bytes};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
@@ -36,8 +36,8 @@ const FREE: u64 = u64::MAX;
 /// three to eight bytes (`key`, its bytes little-endian, zero above them), and its rank
 /// ([`EMPTY`]: not a token). Words of a language share their stems and endings, so the merges
 /// of a text's new words mostly look up spans looked up a moment before; this answers them
-/// from a few dozen KiB that stay in cache instead of a multi-MiB table (three cache misses
-/// for a token: its slot, its offset and its bytes). The key is the span's bytes themselves,
+/// from a few dozen KiB that stay in cache instead of a multi-MiB table (two cache misses
+/// for a token: its slot and its bytes). The key is the span's bytes themselves,
 /// compared whole: a slot holds the last span that landed in it, never a wrong rank.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Recent {
@@ -58,12 +58,7 @@ impl Recent {
         if n < 4 {
             return s.iter().rev().fold(0u64, |k, b| k << 8 | u64::from(*b));
         }
-        let word = |i: usize| {
-            s.get(i..i + 4)
-                .and_then(|w| w.try_into().ok())
-                .map_or(0, |w| u64::from(u32::from_le_bytes(w)))
-        };
-        word(0) | word(n - 4) << (8 * (n - 4))
+        load4(s, 0) | load4(s, n - 4) << (8 * (n - 4))
     }
 }
 
@@ -141,11 +136,15 @@ impl Ranks {
 
     /// The bytes of token `rank` (empty for an unknown rank).
     pub(crate) fn token(&self, rank: u32) -> &'static [u8] {
+        self.starts
+            .get(rank as usize)
+            .map_or(&[], |&at| self.token_at(at as usize))
+    }
+
+    /// The bytes of the token whose length byte is at `at` in the vocabulary's bytes.
+    #[inline]
+    fn token_at(&self, at: usize) -> &'static [u8] {
         let data: &'static [u8] = self.data;
-        let Some(&at) = self.starts.get(rank as usize) else {
-            return &[];
-        };
-        let at = at as usize;
         let len = data.get(at).map_or(0, |l| usize::from(*l));
         data.get(at + 1..at + 1 + len).unwrap_or(&[])
     }
@@ -165,17 +164,8 @@ impl Ranks {
                 return None;
             }
             let low = slot as u32;
-            if low & !RANK_MASK == want {
-                let at = (slot >> 32) as usize;
-                let n = piece.len();
-                if self.data.get(at).is_some_and(|l| usize::from(*l) == n)
-                    && self
-                        .data
-                        .get(at + 1..at + 1 + n)
-                        .is_some_and(|t| same_bytes(t, piece))
-                {
-                    return Some(low & RANK_MASK);
-                }
+            if low & !RANK_MASK == want && same_bytes(self.token_at((slot >> 32) as usize), piece) {
+                return Some(low & RANK_MASK);
             }
             i = (i + 1) & self.mask;
         }
@@ -198,8 +188,9 @@ impl Ranks {
         self.count_with(piece, &mut [])
     }
 
-    /// [`Ranks::count`], with the merges' look-ups of short spans answered from `recent` when
-    /// they were made before (an empty `recent`: every look-up goes to the table).
+    /// Tokens `piece` encodes to (tiktoken's merge rule; a token counts 1), the merges' look-ups
+    /// of short spans answered from `recent` when they were made before (an empty `recent`:
+    /// every look-up goes to the table).
     pub(crate) fn count_with(&self, piece: &[u8], recent: &mut [Recent]) -> usize {
         if piece.is_empty() {
             return 0;

@@ -29,13 +29,13 @@ pub(crate) fn hash_piece(b: &[u8]) -> u64 {
     h ^ (h >> 32) ^ (h >> 45)
 }
 
-fn load8(b: &[u8], i: usize) -> u64 {
+pub(crate) fn load8(b: &[u8], i: usize) -> u64 {
     b.get(i..i + 8)
         .and_then(|w| w.try_into().ok())
         .map_or(0, u64::from_le_bytes)
 }
 
-fn load4(b: &[u8], i: usize) -> u64 {
+pub(crate) fn load4(b: &[u8], i: usize) -> u64 {
     b.get(i..i + 4)
         .and_then(|w| w.try_into().ok())
         .map_or(0, |w| u64::from(u32::from_le_bytes(w)))
