@@ -224,6 +224,15 @@ static TABLES: AtomicUsize = AtomicUsize::new(0);
 impl Words {
     const SLOTS: usize = 16384;
     const MAX_TABLES: usize = 16;
+    /// A thread's tables before it has counted anything.
+    const NONE: Words = Words {
+        tables: [Vec::new(), Vec::new()],
+        recent: [Vec::new(), Vec::new()],
+    };
+
+    fn is_empty(&self) -> bool {
+        self.tables.iter().all(Vec::is_empty)
+    }
 
     /// This thread's table for `kind`, made on first use if the process has room for it.
     fn table(&mut self, kind: Tokenizer) -> Option<(&mut [Word], &mut [Recent])> {
@@ -268,12 +277,51 @@ impl Drop for Words {
 }
 
 thread_local! {
-    static WORDS: std::cell::RefCell<Words> = const {
-        std::cell::RefCell::new(Words {
-            tables: [Vec::new(), Vec::new()],
-            recent: [Vec::new(), Vec::new()],
-        })
+    static WORDS: std::cell::RefCell<Words> = const { std::cell::RefCell::new(Words::NONE) };
+}
+
+/// Tables lent to threads that count only now and then: the blocking pool's threads, which
+/// estimate the large bodies of the connection workers ([`offload_whole`]). Such a thread
+/// is new whenever the pool has had none idle (tokio ends an idle one after 10 s, and starts
+/// one per body counted at once), and a new thread's first 100 KB text took ~1.15 ms
+/// against ~0.7 ms with a table that has seen texts before (docs/performance.md). At most
+/// [`SPARES`] are kept, the last returned lent first (the warmest in cache). A lock, on
+/// this path only: it is taken twice per large body, never on a request's way through a
+/// worker.
+static SPARE: std::sync::Mutex<Vec<Words>> = std::sync::Mutex::new(Vec::new());
+const SPARES: usize = 2;
+
+/// Runs `f` (which counts a large text) with this thread's tables of pieces lent from the
+/// spare ones when the thread has none of its own, and hands them back afterwards, so the
+/// next thread that counts a large body starts warm. For threads that count now and then;
+/// the connection workers keep their own.
+pub fn with_spare_words<R>(f: impl FnOnce() -> R) -> R {
+    let spare = || {
+        SPARE
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     };
+    WORDS.with(|w| {
+        if let Ok(mut w) = w.try_borrow_mut() {
+            if w.is_empty() {
+                if let Some(lent) = spare().pop() {
+                    *w = lent;
+                }
+            }
+        }
+    });
+    let out = f();
+    WORDS.with(|w| {
+        if let Ok(mut w) = w.try_borrow_mut() {
+            if !w.is_empty() {
+                let mut spare = spare();
+                if spare.len() < SPARES {
+                    spare.push(std::mem::replace(&mut *w, Words::NONE));
+                }
+            }
+        }
+    });
+    out
 }
 
 /// Forgets the pieces' counts this thread remembers (benchmarks of a cold start).
@@ -449,6 +497,52 @@ mod tests {
             assert_eq!(cold, want, "{tok:?}");
             assert_eq!(warm, want, "{tok:?}");
         }
+    }
+
+    /// Whether this thread's table for `tok` remembers `piece`'s count.
+    fn remembers(tok: Tokenizer, piece: &str) -> bool {
+        let n = piece.len();
+        WORDS.with(|w| {
+            let w = w.borrow();
+            let table = &w.tables[usize::from(tok == Tokenizer::Cl100k)];
+            let i = vocab::hash_piece(piece.as_bytes()) as usize & table.len().wrapping_sub(1);
+            table
+                .get(i)
+                .is_some_and(|s| usize::from(s.len) == n && &s.key[..n] == piece.as_bytes())
+        })
+    }
+
+    #[test]
+    fn a_thread_that_counts_now_and_then_starts_with_a_table_lent_warm() {
+        // A piece no other test counts.
+        let piece = " zqxwvutsrq";
+        let text = format!("The{piece} is new here.");
+        let want = lib(Tokenizer::O200k).count(text.as_str()) as u64;
+        // A first thread counts it and ends: its table goes back to the spares.
+        std::thread::spawn({
+            let text = text.clone();
+            move || {
+                with_spare_words(|| {
+                    assert_eq!(count_output_text(Tokenizer::O200k, &text), want);
+                    assert!(remembers(Tokenizer::O200k, piece));
+                });
+                // Handed back: this thread holds no table any more.
+                assert!(WORDS.with(|w| w.borrow().is_empty()));
+            }
+        })
+        .join()
+        .unwrap();
+        // A new thread starts with that table, and counts the same.
+        std::thread::spawn(move || {
+            assert!(!remembers(Tokenizer::O200k, piece));
+            with_spare_words(|| {
+                assert!(remembers(Tokenizer::O200k, piece));
+                assert_eq!(count_output_text(Tokenizer::O200k, &text), want);
+            });
+        })
+        .join()
+        .unwrap();
+        assert!(SPARE.lock().unwrap().len() <= SPARES);
     }
 
     /// A role's count from the table is the library's count of it, and a text that only

@@ -38,7 +38,9 @@ pub enum Tokenizer {
     Chars,
 }
 pub use chat::{REPLY_PRIMING_TOKENS, TOKENS_PER_MESSAGE, TOKENS_PER_NAME};
-pub use count::{count_output_text, count_text, offload_whole, warm_up, warm_up_for};
+pub use count::{
+    count_output_text, count_text, offload_whole, warm_up, warm_up_for, with_spare_words,
+};
 pub use error::EstimateError;
 pub use plain::{chat as chat_plain, Member, Plain};
 

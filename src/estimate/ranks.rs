@@ -173,11 +173,7 @@ impl Ranks {
 
     fn rank_or_max(&self, piece: &[u8]) -> u32 {
         if let [a, b] = piece {
-            return self
-                .pairs
-                .get(usize::from(*a) << 8 | usize::from(*b))
-                .copied()
-                .unwrap_or(EMPTY);
+            return self.pair(*a, *b);
         }
         self.rank(piece).unwrap_or(EMPTY)
     }
@@ -231,53 +227,84 @@ impl Ranks {
         r
     }
 
-    /// tiktoken's `byte_pair_merge`, on the stack: `parts[i]` is (start of part i, rank of
-    /// merging parts i and i+1).
+    /// tiktoken's `byte_pair_merge`, on the stack: part `i` of the piece starts at `start[i]`
+    /// (the last entry is the piece's end), and `rank[i]` is the rank of merging parts `i`
+    /// and `i + 1` ([`EMPTY`]: no token). Two flat arrays, set up by one copy and one fill,
+    /// and the first round's ranks read from the table of pairs by the bytes themselves.
     fn count_short(&self, piece: &[u8], recent: &mut [Recent]) -> usize {
-        let n = piece.len();
-        let mut parts = [(0u32, EMPTY); SHORT + 1];
-        let mut len = n + 1;
-        for (i, p) in parts.iter_mut().enumerate().take(len) {
-            p.0 = i as u32;
-        }
-        let mut span = |parts: &[(u32, u32)], i: usize, j: usize| -> u32 {
-            match (parts.get(i), parts.get(j)) {
-                (Some(a), Some(b)) => piece
-                    .get(a.0 as usize..b.0 as usize)
-                    .map_or(EMPTY, |s| self.span_rank(s, recent)),
-                _ => EMPTY,
+        /// 0, 1, 2, ...: every byte its own part.
+        const IOTA: [u8; SHORT + 1] = {
+            let mut a = [0u8; SHORT + 1];
+            let mut i = 0;
+            while i < a.len() {
+                a[i] = i as u8;
+                i += 1;
             }
+            a
         };
-        for i in 0..len.saturating_sub(2) {
-            parts[i].1 = span(&parts, i, i + 2);
+        let n = piece.len().min(SHORT);
+        let mut start = IOTA;
+        let mut rank = [EMPTY; SHORT + 1];
+        for (r, w) in rank.iter_mut().zip(piece.windows(2)) {
+            *r = self.pair(w[0], w[1]);
         }
+        // Entries: the parts and the end.
+        let mut len = n + 1;
         loop {
             // The lowest rank, leftmost on ties (a strict `<` keeps the first).
             let (mut i, mut r) = (0, EMPTY);
-            for (at, p) in parts[..len.saturating_sub(1)].iter().enumerate() {
-                if p.1 < r {
-                    (i, r) = (at, p.1);
+            for (at, &x) in rank[..len - 1].iter().enumerate() {
+                if x < r {
+                    (i, r) = (at, x);
                 }
             }
             if r == EMPTY {
                 break;
             }
             if i > 0 {
-                parts[i - 1].1 = if i + 2 < len {
-                    span(&parts, i - 1, i + 2)
+                rank[i - 1] = if i + 2 < len {
+                    self.part_rank(piece, &start, i - 1, i + 2, recent)
                 } else {
                     EMPTY
                 };
             }
-            parts[i].1 = if i + 3 < len {
-                span(&parts, i, i + 3)
+            rank[i] = if i + 3 < len {
+                self.part_rank(piece, &start, i, i + 3, recent)
             } else {
                 EMPTY
             };
-            parts.copy_within(i + 2..len, i + 1);
+            start.copy_within(i + 2..len, i + 1);
+            rank.copy_within(i + 2..len, i + 1);
             len -= 1;
         }
         len - 1
+    }
+
+    /// The rank of the two-byte token `a b` ([`EMPTY`]: none).
+    #[inline]
+    fn pair(&self, a: u8, b: u8) -> u32 {
+        self.pairs
+            .get(usize::from(a) << 8 | usize::from(b))
+            .copied()
+            .unwrap_or(EMPTY)
+    }
+
+    /// The rank of the span of `piece` from part `a`'s start to part `b`'s.
+    #[inline]
+    fn part_rank(
+        &self,
+        piece: &[u8],
+        start: &[u8],
+        a: usize,
+        b: usize,
+        recent: &mut [Recent],
+    ) -> u32 {
+        match (start.get(a), start.get(b)) {
+            (Some(&a), Some(&b)) => piece
+                .get(usize::from(a)..usize::from(b))
+                .map_or(EMPTY, |s| self.span_rank(s, recent)),
+            _ => EMPTY,
+        }
     }
 
     /// The same merges with a heap of candidate pairs: O(n log n) for long pieces.

@@ -199,10 +199,13 @@ impl<'a> Ctx<'a> {
         let (body, est) = if estimate::offload_whole(bytes.len()) {
             // A large body on a connection worker (a single-threaded runtime, where
             // `block_in_place` is not available): estimated on the blocking pool, so the
-            // worker's other connections go on meanwhile.
+            // worker's other connections go on meanwhile; with a table of words lent warm
+            // (the pool's threads come and go).
             let (inb, endpoint, b) = (self.inb.clone(), self.endpoint, bytes.clone());
-            match tokio::task::spawn_blocking(move || estimate_body(&inb, endpoint, tokenizer, &b))
-                .await
+            match tokio::task::spawn_blocking(move || {
+                estimate::with_spare_words(|| estimate_body(&inb, endpoint, tokenizer, &b))
+            })
+            .await
             {
                 Ok(r) => r?,
                 // A panic goes on in this task, as it would have here; a cancellation only
