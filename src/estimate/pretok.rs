@@ -426,6 +426,7 @@ mod tests {
             }
         }
     }
+
     #[test]
     fn lowercase_runs_end_at_the_first_byte_that_is_not_a_lowercase_letter() {
         // Every byte value at every position of a run longer than one word, and at its end.
@@ -444,6 +445,7 @@ mod tests {
             }
         }
     }
+
     #[test]
     fn the_first_byte_that_is_not_ascii_is_found_wherever_it_is() {
         for len in 0..40usize {

@@ -451,6 +451,7 @@ mod tests {
         // The quadratic scan would take tens of seconds here.
         assert!(start.elapsed() < std::time::Duration::from_secs(5));
     }
+
     #[test]
     fn a_recent_span_is_keyed_by_all_of_its_bytes() {
         let bytes = b"\x01\x80the quick brown\xFF";
