@@ -296,7 +296,7 @@ const SPARES: usize = 2;
 /// next thread that counts a large body starts warm. For threads that count now and then;
 /// the connection workers keep their own.
 pub fn with_spare_words<R>(f: impl FnOnce() -> R) -> R {
-    let spare = || {
+    let lock_spares = || {
         SPARE
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -304,7 +304,7 @@ pub fn with_spare_words<R>(f: impl FnOnce() -> R) -> R {
     WORDS.with(|w| {
         if let Ok(mut w) = w.try_borrow_mut() {
             if w.is_empty() {
-                if let Some(lent) = spare().pop() {
+                if let Some(lent) = lock_spares().pop() {
                     *w = lent;
                 }
             }
@@ -314,9 +314,9 @@ pub fn with_spare_words<R>(f: impl FnOnce() -> R) -> R {
     WORDS.with(|w| {
         if let Ok(mut w) = w.try_borrow_mut() {
             if !w.is_empty() {
-                let mut spare = spare();
-                if spare.len() < SPARES {
-                    spare.push(std::mem::replace(&mut *w, Words::NONE));
+                let mut spares = lock_spares();
+                if spares.len() < SPARES {
+                    spares.push(std::mem::replace(&mut *w, Words::NONE));
                 }
             }
         }
