@@ -4,7 +4,7 @@
 //! are copied from a memo of encoded blocks ([`Blocks`]).
 
 use super::notes::Finish;
-use super::proto::Writer;
+use super::proto::{put_varint, varint_len, Writer};
 use super::spans::{Finished, Outcome, States, Wall, STATE_KEYS};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -55,40 +55,48 @@ fn name_and_kind(w: &mut Writer<'_>, name: (&str, &str), kind: u64) {
     w.uint(6, kind);
 }
 
-/// A span's fields, shared by both kinds, but for its name and kind: ids (1, 2),
-/// `trace_state` 3, parent 4, times 7 and 8, and `flags` 16 (the W3C flags, and whether the
-/// parent is remote).
-fn head(w: &mut Writer<'_>, f: &Finished, h: Head<'_>) {
-    // The fixed-size fields are laid out in place and appended at once.
-    let mut ids = [0u8; 28];
-    ids[0] = 1 << 3 | 2; // trace_id, bytes
-    ids[1] = 16;
-    ids[2..18].copy_from_slice(&f.ids.trace_id);
-    ids[18] = 2 << 3 | 2; // span_id, bytes
-    ids[19] = 8;
-    ids[20..28].copy_from_slice(h.span_id);
-    w.0.extend_from_slice(&ids);
-    if let Some(ts) = &f.ids.tracestate {
-        w.bytes(3, ts.as_bytes());
+/// A span head's fixed-size fields, laid out as they are written: the ids, the parent's id
+/// and the times with the flags. They differ from one request to the next; the rest of a
+/// span mostly does not (see [`Template`]).
+struct HeadParts {
+    ids: [u8; 28],
+    parent: Option<[u8; 10]>,
+    times: [u8; 24],
+}
+
+impl HeadParts {
+    #[inline(always)]
+    fn of(f: &Finished, h: &Head<'_>) -> HeadParts {
+        let mut ids = [0u8; 28];
+        ids[0] = 1 << 3 | 2; // trace_id, bytes
+        ids[1] = 16;
+        ids[2..18].copy_from_slice(&f.ids.trace_id);
+        ids[18] = 2 << 3 | 2; // span_id, bytes
+        ids[19] = 8;
+        ids[20..28].copy_from_slice(h.span_id);
+        let parent = h.parent.map(|p| {
+            let mut b = [0u8; 10];
+            b[0] = 4 << 3 | 2; // parent_span_id, bytes
+            b[1] = 8;
+            b[2..].copy_from_slice(p);
+            b
+        });
+        // SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE (0x100) | IS_REMOTE (0x200) | sampled (0x01).
+        let flags: u32 = 0x101 | if h.remote_parent { 0x200 } else { 0 };
+        let mut t = [0u8; 24];
+        t[0] = 7 << 3 | 1; // start_time_unix_nano, fixed64
+        t[1..9].copy_from_slice(&h.times.0.to_le_bytes());
+        t[9] = 8 << 3 | 1; // end_time_unix_nano, fixed64
+        t[10..18].copy_from_slice(&h.times.1.to_le_bytes());
+        t[18] = 0x85; // flags = 16, fixed32: key 133 as a two-byte varint
+        t[19] = 0x01;
+        t[20..24].copy_from_slice(&flags.to_le_bytes());
+        HeadParts {
+            ids,
+            parent,
+            times: t,
+        }
     }
-    if let Some(p) = h.parent {
-        let mut b = [0u8; 10];
-        b[0] = 4 << 3 | 2; // parent_span_id, bytes
-        b[1] = 8;
-        b[2..].copy_from_slice(p);
-        w.0.extend_from_slice(&b);
-    }
-    // SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE (0x100) | IS_REMOTE (0x200) | sampled (0x01).
-    let flags: u32 = 0x101 | if h.remote_parent { 0x200 } else { 0 };
-    let mut t = [0u8; 24];
-    t[0] = 7 << 3 | 1; // start_time_unix_nano, fixed64
-    t[1..9].copy_from_slice(&h.times.0.to_le_bytes());
-    t[9] = 8 << 3 | 1; // end_time_unix_nano, fixed64
-    t[10..18].copy_from_slice(&h.times.1.to_le_bytes());
-    t[18] = 0x85; // flags = 16, fixed32: key 133 as a two-byte varint
-    t[19] = 0x01;
-    t[20..24].copy_from_slice(&flags.to_le_bytes());
-    w.0.extend_from_slice(&t);
 }
 
 /// `Status { message 2, code 3 }`, code 2 = ERROR.
@@ -107,25 +115,38 @@ fn sat(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
-/// The answer's GenAI attributes: the response model and finish reasons (`said`, from
-/// [`Said::update`]), then the usage and cache counts.
-fn answer_attrs(w: &mut Writer<'_>, f: &Finished, said: &[u8]) {
+/// The answer's counts, as their attributes carry them: input and output tokens, cache reads
+/// and cache writes (each when the answer has it).
+fn counts(f: &Finished) -> [Option<u64>; 4] {
     let d = f.decision();
+    [
+        d.usage.map(|(i, _)| sat(i) as u64),
+        d.usage.map(|(_, o)| sat(o) as u64),
+        f.notes.cached.map(|c| sat(c) as u64),
+        (d.cache_write_tokens > 0).then(|| sat(d.cache_write_tokens) as u64),
+    ]
+}
+
+/// The names of [`counts`], in order.
+const COUNT_KEYS: [&str; 4] = [
+    "gen_ai.usage.input_tokens",
+    "gen_ai.usage.output_tokens",
+    "gen_ai.usage.cache_read.input_tokens",
+    "gen_ai.usage.cache_creation.input_tokens",
+];
+
+/// The answer's GenAI attributes: the response model and finish reasons (`said`, from
+/// [`Said::update`]), then the counts. Returns where each count's varint starts in `w`.
+fn answer_attrs(w: &mut Writer<'_>, said: &[u8], counts: &[Option<u64>; 4]) -> [usize; 4] {
     w.0.extend_from_slice(said);
-    if let Some((i, o)) = d.usage {
-        w.attr_int(A, "gen_ai.usage.input_tokens", sat(i));
-        w.attr_int(A, "gen_ai.usage.output_tokens", sat(o));
+    let mut at = [0; 4];
+    for ((k, c), at) in COUNT_KEYS.iter().zip(counts).zip(&mut at) {
+        if let Some(c) = *c {
+            w.attr_int(A, k, c as i64);
+            *at = w.0.len() - varint_len(c);
+        }
     }
-    if let Some(c) = f.notes.cached {
-        w.attr_int(A, "gen_ai.usage.cache_read.input_tokens", sat(c));
-    }
-    if d.cache_write_tokens > 0 {
-        w.attr_int(
-            A,
-            "gen_ai.usage.cache_creation.input_tokens",
-            sat(d.cache_write_tokens),
-        );
-    }
+    at
 }
 
 /// The last answer's response model and finish reasons, encoded: both spans of a served
@@ -135,6 +156,8 @@ struct Said {
     model: Option<Arc<str>>,
     finish: Finish,
     block: Vec<u8>,
+    /// Bumped whenever the block is encoded again (see [`Template`]).
+    generation: u64,
 }
 
 impl Said {
@@ -146,13 +169,14 @@ impl Said {
             .model
             .as_ref()
             .or(f.decision().upstream_model.as_ref());
-        if !self.block.is_empty()
+        if self.generation > 0
             && self.model.as_deref() == model.map(|m| &**m)
             && self.finish == f.notes.finish
         {
             return;
         }
         self.block.clear();
+        self.generation += 1;
         let mut w = Writer(&mut self.block);
         if let Some(m) = model {
             w.attr_str(A, "gen_ai.response.model", m);
@@ -181,6 +205,9 @@ pub(crate) struct Blocks {
     client_ints: Last<(u64, u32, u16)>,
     /// The served answer's attributes of the request being encoded (both spans carry them).
     answer: Vec<u8>,
+    /// The last server span and served attempt's span encoded in full.
+    server_tmpl: Template<ServerShape>,
+    client_tmpl: Template<ClientShape>,
 }
 
 /// A block of attributes whose values mostly repeat from one request to the next (an output
@@ -224,6 +251,8 @@ const MAX_BLOCKS: usize = 1024;
 struct Memo<K> {
     map: HashMap<u64, (K, Vec<u8>), foldhash::fast::RandomState>,
     last: Option<(K, Vec<u8>)>,
+    /// Bumped whenever `last` changes: a span template made with the last block holds it.
+    generation: u64,
 }
 
 impl<K> Default for Memo<K> {
@@ -231,11 +260,17 @@ impl<K> Default for Memo<K> {
         Memo {
             map: HashMap::default(),
             last: None,
+            generation: 0,
         }
     }
 }
 
 impl<K: Clone> Memo<K> {
+    /// Whether the block used last is the one of the key that `same` accepts.
+    fn last_is(&self, same: impl Fn(&K) -> bool) -> bool {
+        self.last.as_ref().is_some_and(|(k, _)| same(k))
+    }
+
     /// Appends the block of the key that `same` accepts, trying the last one first (the hash
     /// is only computed when the key changed).
     fn write(
@@ -257,6 +292,7 @@ impl<K: Clone> Memo<K> {
             if same(k) {
                 out.extend_from_slice(block);
                 self.last = Some((k.clone(), block.clone()));
+                self.generation += 1;
                 return;
             }
         }
@@ -268,6 +304,7 @@ impl<K: Clone> Memo<K> {
         }
         let k = key();
         self.last = Some((k.clone(), block.clone()));
+        self.generation += 1;
         self.map.insert(h, (k, block));
     }
 }
@@ -309,42 +346,72 @@ fn served_provider(f: &Finished) -> &'static str {
     f.served().map_or("", |a| a.provider)
 }
 
+/// What a server span's memo block is keyed by, as the request has it.
+struct ServerProbe<'a> {
+    statics: [(usize, usize); 3],
+    strs: [&'a Arc<str>; 4],
+    states: States,
+    team: Option<&'a Arc<str>>,
+}
+
+impl<'a> ServerProbe<'a> {
+    fn of(f: &'a Finished) -> ServerProbe<'a> {
+        let d = f.decision();
+        ServerProbe {
+            statics: [
+                static_id(f.op),
+                static_id(f.path),
+                static_id(served_provider(f)),
+            ],
+            strs: [&d.route, &d.consumer, &d.policy_version, &d.backend],
+            states: d.states,
+            team: d.team.as_ref(),
+        }
+    }
+
+    fn same(&self, k: &ServerKey) -> bool {
+        k.statics == self.statics
+            && k.states == self.states
+            && k.strs.iter().zip(self.strs).all(|(a, b)| same_text(a, b))
+            && match (&k.team, self.team) {
+                (None, None) => true,
+                (Some(a), Some(b)) => same_text(a, b),
+                _ => false,
+            }
+    }
+}
+
+/// What a client span's memo block is keyed by, as the attempt has it.
+fn client_same(k: &ClientKey, f: &Finished, a: &super::spans::AttemptDone) -> bool {
+    k.statics == [static_id(f.op), static_id(a.provider)]
+        && k.probe == a.probe
+        && same_text(&k.model, &a.model)
+        && same_text(&k.backend, &a.backend)
+        && same_text(&k.base_url, &a.base_url)
+}
+
 impl Blocks {
     fn server(&mut self, w: &mut Writer<'_>, f: &Finished) {
         use std::hash::{Hash, Hasher};
         let d = f.decision();
-        let statics = [
-            static_id(f.op),
-            static_id(f.path),
-            static_id(served_provider(f)),
-        ];
-        let strs = [&d.route, &d.consumer, &d.policy_version, &d.backend];
+        let probe = ServerProbe::of(f);
         self.server.write(
             w.0,
-            |k| {
-                k.statics == statics
-                    && k.states == d.states
-                    && k.strs.iter().zip(strs).all(|(a, b)| same_text(a, b))
-                    && match (&k.team, &d.team) {
-                        (None, None) => true,
-                        (Some(a), Some(b)) => same_text(a, b),
-                        _ => false,
-                    }
-            },
+            |k| probe.same(k),
             || {
                 let mut h = hasher();
-                statics.hash(&mut h);
+                probe.statics.hash(&mut h);
                 d.states.hash(&mut h);
-                for s in strs {
+                for s in probe.strs {
                     s.hash(&mut h);
                 }
                 d.team.hash(&mut h);
                 h.finish()
             },
             || ServerKey {
-                statics,
+                statics: probe.statics,
                 states: d.states,
-                strs: strs.map(Arc::clone),
+                strs: probe.strs.map(Arc::clone),
                 team: d.team.clone(),
             },
             |w| {
@@ -377,13 +444,7 @@ impl Blocks {
         let statics = [static_id(f.op), static_id(a.provider)];
         self.client.write(
             w.0,
-            |k| {
-                k.statics == statics
-                    && k.probe == a.probe
-                    && same_text(&k.model, &a.model)
-                    && same_text(&k.backend, &a.backend)
-                    && same_text(&k.base_url, &a.base_url)
-            },
+            |k| client_same(k, f, a),
             || {
                 let mut h = hasher();
                 statics.hash(&mut h);
@@ -427,114 +488,399 @@ fn span(out: &mut Vec<u8>, body: impl FnOnce(&mut Writer<'_>)) {
     Writer(out).message_2(2, body);
 }
 
+/// The last span of one kind encoded in full, copied for the next request of the same
+/// shape. Most of a span repeats from one request to the next (the memo blocks, the answer's
+/// model and finish reasons, the small numbers); what does not (the head's ids and times, the
+/// answer's counts, the request's ids and cost, a stream's first-chunk time) mostly keeps its
+/// length. A request of the template's shape copies it at once and writes its own values
+/// over the template's, at the places the full encoding noted; any other request is encoded
+/// in full, and its span becomes the template.
+#[derive(Debug)]
+struct Template<S> {
+    shape: Option<S>,
+    bytes: Vec<u8>,
+    at: Spots,
+    /// Spans copied from it (the tests check the copies are taken).
+    #[cfg(test)]
+    copies: usize,
+}
+
+impl<S> Default for Template<S> {
+    fn default() -> Self {
+        Template {
+            shape: None,
+            bytes: Vec::new(),
+            at: Spots::default(),
+            #[cfg(test)]
+            copies: 0,
+        }
+    }
+}
+
+/// Where a span's own values are, from its first byte (as the full encoding noted them).
+#[derive(Debug, Default, Clone, Copy)]
+struct Spots {
+    /// The head's ids, its parent's id, its times (see [`HeadParts`]).
+    ids: usize,
+    parent: usize,
+    times: usize,
+    /// Each count's varint (see [`counts`]).
+    counts: [usize; 4],
+    /// The text of `tollgate.request_id` and `tollgate.job_id`, and the bits of
+    /// `tollgate.cost_usd` (server span).
+    request_id: usize,
+    job_id: usize,
+    cost: usize,
+    /// The first-chunk event's time (client span).
+    first_chunk: usize,
+}
+
+impl Spots {
+    fn relative_to(self, start: usize) -> Spots {
+        Spots {
+            ids: self.ids - start,
+            parent: self.parent - start,
+            times: self.times - start,
+            counts: self.counts.map(|c| c.saturating_sub(start)),
+            request_id: self.request_id.saturating_sub(start),
+            job_id: self.job_id.saturating_sub(start),
+            cost: self.cost.saturating_sub(start),
+            first_chunk: self.first_chunk.saturating_sub(start),
+        }
+    }
+}
+
+/// A span's own values, written over a template's.
+struct Own<'a> {
+    head: &'a HeadParts,
+    counts: &'a [Option<u64>; 4],
+    /// Server span: the request's ids and cost.
+    ids_cost: Option<(&'a [u8], &'a [u8], f64)>,
+    /// Client span: the first chunk's time.
+    first_chunk: Option<u64>,
+}
+
+impl<S: PartialEq> Template<S> {
+    /// Copies the template to `out` with the request's own values written over its own, when
+    /// the request's span has the template's shape; `false` (nothing written) otherwise.
+    fn apply(&mut self, out: &mut Vec<u8>, shape: &S, own: &Own<'_>) -> bool {
+        if self.shape.as_ref() != Some(shape) {
+            return false;
+        }
+        let at = &self.at;
+        let start = out.len();
+        out.extend_from_slice(&self.bytes);
+        let o = &mut out[start..];
+        o[at.ids..][..own.head.ids.len()].copy_from_slice(&own.head.ids);
+        if let Some(p) = &own.head.parent {
+            o[at.parent..][..p.len()].copy_from_slice(p);
+        }
+        o[at.times..][..own.head.times.len()].copy_from_slice(&own.head.times);
+        for (c, &at) in own.counts.iter().zip(&at.counts) {
+            if let Some(c) = *c {
+                put_varint(o, at, c);
+            }
+        }
+        if let Some((request_id, job_id, cost)) = own.ids_cost {
+            o[at.request_id..][..request_id.len()].copy_from_slice(request_id);
+            o[at.job_id..][..job_id.len()].copy_from_slice(job_id);
+            o[at.cost..][..8].copy_from_slice(&cost.to_bits().to_le_bytes());
+        }
+        if let Some(t) = own.first_chunk {
+            o[at.first_chunk..][..8].copy_from_slice(&t.to_le_bytes());
+        }
+        #[cfg(test)]
+        {
+            self.copies += 1;
+        }
+        true
+    }
+
+    /// Keeps the span just encoded at `out[start..]` (its values at `at`) as the template of
+    /// `shape`, unless its length took other than the two bytes reserved for it (the body
+    /// was moved after the places were noted: rare, and not worth a template).
+    fn keep(&mut self, out: &[u8], start: usize, at: Spots, shape: S) {
+        let two_byte_len =
+            out.len() > start + 3 && out[start + 1] & 0x80 != 0 && out[start + 2] & 0x80 == 0;
+        if !two_byte_len {
+            self.shape = None;
+            return;
+        }
+        self.bytes.clear();
+        self.bytes.extend_from_slice(&out[start..]);
+        self.at = at.relative_to(start);
+        self.shape = Some(shape);
+    }
+}
+
+/// The varint lengths of the counts (0: absent).
+fn count_lens(counts: &[Option<u64>; 4]) -> [u8; 4] {
+    counts.map(|c| c.map_or(0, |c| varint_len(c) as u8))
+}
+
+/// What a server span's template stands for: its memo block (the one used last, at this
+/// generation), whether it has a parent, the answer's model and finish reasons (at this
+/// generation) and its counts' lengths, the lengths of the request's ids, and the small
+/// numbers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct ServerShape {
+    memo: u64,
+    parent: bool,
+    said: Option<u64>,
+    counts: [u8; 4],
+    ids: (usize, usize),
+    ints: (u64, usize, u16),
+}
+
+/// What a served attempt's span template stands for (see [`ServerShape`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct ClientShape {
+    memo: u64,
+    said: u64,
+    counts: [u8; 4],
+    ints: (u64, u32, u16),
+    first_chunk: bool,
+}
+
 /// Appends a finished request's spans (`ScopeSpans.spans = 2`) to `out`: the server span,
 /// then one client span per attempt.
 /// `wall` places the record's monotonic instants on the wall clock.
 pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished, wall: &Wall) {
     let d = f.decision();
-    let mut status = itoa::Buffer::new();
+    let served = f.served().is_some();
+    if served {
+        blocks.said.update(f);
+    }
+    let counts = if served { counts(f) } else { [None; 4] };
+    // The answer's attributes (both spans of a served request carry them), encoded only for a
+    // span encoded in full.
     let mut answer = std::mem::take(&mut blocks.answer);
     answer.clear();
-    if f.served().is_some() {
-        blocks.said.update(f);
-        answer_attrs(&mut Writer(&mut answer), f, &blocks.said.block);
-    }
-    span(out, |w| {
-        head(
-            w,
-            f,
-            Head {
-                span_id: &f.span_id,
-                parent: f.parent.as_ref(),
-                remote_parent: f.parent.is_some(),
-                times: (wall.ns(f.start), wall.ns(f.end)),
-            },
-        );
-        blocks.server(w, f);
-        if f.served().is_some() {
-            w.0.extend_from_slice(&answer);
-        }
-        w.attr_str(A, "tollgate.request_id", &d.request_id);
-        w.attr_str(A, "tollgate.job_id", &d.job_id);
-        w.attr_double(A, "tollgate.cost_usd", d.cost_usd);
-        if d.http_status >= 400 {
-            w.attr_int(A, "http.response.status_code", i64::from(d.http_status));
-            w.attr_str(A, "error.type", d.reason());
-            if d.http_status >= 500 {
-                error_status(w, d.reason());
-            }
-        }
-        let key = (d.requested_output_tokens, d.attempts, d.http_status);
-        blocks.server_ints.write(w.0, key, |w| {
-            if d.requested_output_tokens > 0 {
-                w.attr_int(
-                    A,
-                    "gen_ai.request.max_tokens",
-                    sat(d.requested_output_tokens),
-                );
-            }
-            w.attr_int(A, "tollgate.attempts", sat(d.attempts as u64));
-            if d.http_status < 400 {
-                w.attr_int(A, "http.response.status_code", i64::from(d.http_status));
-            }
-        });
-    });
-    for a in f.attempts.iter() {
+    let mut answer_counts = None;
+    let head = HeadParts::of(
+        f,
+        &Head {
+            span_id: &f.span_id,
+            parent: f.parent.as_ref(),
+            remote_parent: f.parent.is_some(),
+            times: (wall.ns(f.start), wall.ns(f.end)),
+        },
+    );
+    // Templates are kept for the plain case: no `tracestate` (its length is the caller's),
+    // no error attributes.
+    let plain = f.ids.tracestate.is_none() && d.http_status < 400;
+    let shape = ServerShape {
+        memo: blocks.server.generation,
+        parent: head.parent.is_some(),
+        said: served.then_some(blocks.said.generation),
+        counts: count_lens(&counts),
+        ids: (d.request_id.len(), d.job_id.len()),
+        ints: (d.requested_output_tokens, d.attempts, d.http_status),
+    };
+    let own = Own {
+        head: &head,
+        counts: &counts,
+        ids_cost: Some((d.request_id.as_bytes(), d.job_id.as_bytes(), d.cost_usd)),
+        first_chunk: None,
+    };
+    let probe = ServerProbe::of(f);
+    let copied = plain
+        && blocks.server.last_is(|k| probe.same(k))
+        && blocks.server_tmpl.apply(out, &shape, &own);
+    if !copied {
+        let start = out.len();
+        let mut at = Spots::default();
         span(out, |w| {
-            head(
-                w,
-                f,
-                Head {
-                    span_id: &a.span_id,
-                    parent: Some(&f.span_id),
-                    remote_parent: false,
-                    times: (wall.ns(a.start), wall.ns(a.end)),
-                },
-            );
-            blocks.client(w, f, a);
-            let error: Option<&str> = match a.outcome {
-                Outcome::Served => {
-                    w.0.extend_from_slice(&answer);
-                    let key = (a.max_tokens, a.attempt, d.http_status);
-                    blocks.client_ints.write(w.0, key, |w| {
-                        w.attr_int(A, "gen_ai.request.max_tokens", sat(a.max_tokens));
-                        w.attr_int(A, "tollgate.attempt", i64::from(a.attempt));
-                        w.attr_int(A, "http.response.status_code", i64::from(d.http_status));
-                    });
-                    None
-                }
-                Outcome::Failed(class, st) => {
-                    attempt_ints(w, a);
-                    if let Some(st) = st {
-                        w.attr_int(A, "http.response.status_code", i64::from(st));
-                    }
-                    Some(class)
-                }
-                Outcome::Status(st) => {
-                    attempt_ints(w, a);
-                    w.attr_int(A, "http.response.status_code", i64::from(st));
-                    Some(status.format(st))
-                }
-                Outcome::Skipped(why) => {
-                    attempt_ints(w, a);
-                    w.attr_str(A, "tollgate.skipped", why);
-                    Some("skipped")
-                }
-            };
-            if let Some(at) = a.first_chunk {
-                // Span.events = 11: Event { time 1, name 2 }
-                w.message(11, |w| {
-                    w.fixed64(1, wall.ns(at));
-                    w.string(2, "gen_ai.first_chunk");
-                });
+            at.ids = w.0.len();
+            w.0.extend_from_slice(&head.ids);
+            if let Some(ts) = &f.ids.tracestate {
+                w.bytes(3, ts.as_bytes());
             }
-            if let Some(e) = error {
-                w.attr_str(A, "error.type", e);
-                error_status(w, e);
+            at.parent = w.0.len();
+            if let Some(p) = &head.parent {
+                w.0.extend_from_slice(p);
             }
+            at.times = w.0.len();
+            w.0.extend_from_slice(&head.times);
+            blocks.server(w, f);
+            if served {
+                let rel = answer_attrs(&mut Writer(&mut answer), &blocks.said.block, &counts);
+                answer_counts = Some(rel);
+                let base = w.0.len();
+                at.counts = rel.map(|r| base + r);
+                w.0.extend_from_slice(&answer);
+            }
+            w.attr_str(A, "tollgate.request_id", &d.request_id);
+            at.request_id = w.0.len() - d.request_id.len();
+            w.attr_str(A, "tollgate.job_id", &d.job_id);
+            at.job_id = w.0.len() - d.job_id.len();
+            w.attr_double(A, "tollgate.cost_usd", d.cost_usd);
+            at.cost = w.0.len() - 8;
+            if d.http_status >= 400 {
+                w.attr_int(A, "http.response.status_code", i64::from(d.http_status));
+                w.attr_str(A, "error.type", d.reason());
+                if d.http_status >= 500 {
+                    error_status(w, d.reason());
+                }
+            }
+            blocks.server_ints.write(w.0, shape.ints, |w| {
+                if d.requested_output_tokens > 0 {
+                    w.attr_int(
+                        A,
+                        "gen_ai.request.max_tokens",
+                        sat(d.requested_output_tokens),
+                    );
+                }
+                w.attr_int(A, "tollgate.attempts", sat(d.attempts as u64));
+                if d.http_status < 400 {
+                    w.attr_int(A, "http.response.status_code", i64::from(d.http_status));
+                }
+            });
         });
+        if plain {
+            let shape = ServerShape {
+                memo: blocks.server.generation,
+                ..shape
+            };
+            blocks.server_tmpl.keep(out, start, at, shape);
+        }
+    }
+    for a in f.attempts.iter() {
+        let mut answer = Answer {
+            bytes: &mut answer,
+            counts: &counts,
+            at: &mut answer_counts,
+        };
+        client_span(blocks, out, f, a, &mut answer, wall);
     }
     blocks.answer = answer;
+}
+
+/// A served answer's attributes, encoded once for the spans of its request encoded in full.
+struct Answer<'a> {
+    bytes: &'a mut Vec<u8>,
+    counts: &'a [Option<u64>; 4],
+    /// Where the counts' varints start in `bytes`, once encoded.
+    at: &'a mut Option<[usize; 4]>,
+}
+
+impl Answer<'_> {
+    /// Appends the answer's attributes to `w`, returning where its counts' varints are.
+    fn write(&mut self, w: &mut Writer<'_>, said: &[u8]) -> [usize; 4] {
+        let rel = *self
+            .at
+            .get_or_insert_with(|| answer_attrs(&mut Writer(self.bytes), said, self.counts));
+        let base = w.0.len();
+        w.0.extend_from_slice(self.bytes);
+        rel.map(|r| base + r)
+    }
+}
+
+/// Appends one attempt's client span to `out`.
+fn client_span(
+    blocks: &mut Blocks,
+    out: &mut Vec<u8>,
+    f: &Finished,
+    a: &super::spans::AttemptDone,
+    answer: &mut Answer<'_>,
+    wall: &Wall,
+) {
+    let d = f.decision();
+    let head = HeadParts::of(
+        f,
+        &Head {
+            span_id: &a.span_id,
+            parent: Some(&f.span_id),
+            remote_parent: false,
+            times: (wall.ns(a.start), wall.ns(a.end)),
+        },
+    );
+    let first_chunk = a.first_chunk.map(|t| wall.ns(t));
+    let served = a.outcome == Outcome::Served;
+    let plain = served && f.ids.tracestate.is_none();
+    let shape = ClientShape {
+        memo: blocks.client.generation,
+        said: blocks.said.generation,
+        counts: count_lens(answer.counts),
+        ints: (a.max_tokens, a.attempt, d.http_status),
+        first_chunk: first_chunk.is_some(),
+    };
+    let own = Own {
+        head: &head,
+        counts: answer.counts,
+        ids_cost: None,
+        first_chunk,
+    };
+    if plain
+        && blocks.client.last_is(|k| client_same(k, f, a))
+        && blocks.client_tmpl.apply(out, &shape, &own)
+    {
+        return;
+    }
+    let start = out.len();
+    let mut at = Spots::default();
+    let mut status = itoa::Buffer::new();
+    span(out, |w| {
+        at.ids = w.0.len();
+        w.0.extend_from_slice(&head.ids);
+        if let Some(ts) = &f.ids.tracestate {
+            w.bytes(3, ts.as_bytes());
+        }
+        at.parent = w.0.len();
+        if let Some(p) = &head.parent {
+            w.0.extend_from_slice(p);
+        }
+        at.times = w.0.len();
+        w.0.extend_from_slice(&head.times);
+        blocks.client(w, f, a);
+        let error: Option<&str> = match a.outcome {
+            Outcome::Served => {
+                at.counts = answer.write(w, &blocks.said.block);
+                blocks.client_ints.write(w.0, shape.ints, |w| {
+                    w.attr_int(A, "gen_ai.request.max_tokens", sat(a.max_tokens));
+                    w.attr_int(A, "tollgate.attempt", i64::from(a.attempt));
+                    w.attr_int(A, "http.response.status_code", i64::from(d.http_status));
+                });
+                None
+            }
+            Outcome::Failed(class, st) => {
+                attempt_ints(w, a);
+                if let Some(st) = st {
+                    w.attr_int(A, "http.response.status_code", i64::from(st));
+                }
+                Some(class)
+            }
+            Outcome::Status(st) => {
+                attempt_ints(w, a);
+                w.attr_int(A, "http.response.status_code", i64::from(st));
+                Some(status.format(st))
+            }
+            Outcome::Skipped(why) => {
+                attempt_ints(w, a);
+                w.attr_str(A, "tollgate.skipped", why);
+                Some("skipped")
+            }
+        };
+        if let Some(t) = first_chunk {
+            // Span.events = 11: Event { time 1, name 2 }
+            w.message(11, |w| {
+                w.fixed64(1, t);
+                at.first_chunk = w.0.len() - 8;
+                w.string(2, "gen_ai.first_chunk");
+            });
+        }
+        if let Some(e) = error {
+            w.attr_str(A, "error.type", e);
+            error_status(w, e);
+        }
+    });
+    if plain {
+        let shape = ClientShape {
+            memo: blocks.client.generation,
+            ..shape
+        };
+        blocks.client_tmpl.keep(out, start, at, shape);
+    }
 }
 
 #[cfg(test)]
@@ -712,6 +1058,114 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A copy of the last span with this request's values written over it must be the very
+    /// bytes a full encoding of this request gives: every request of a varied run is encoded
+    /// once with the kept templates and once with none, and the two compared. What changes
+    /// a span's shape changes every ten requests; its own values change with every request.
+    #[test]
+    fn a_span_copied_from_the_template_is_the_span_encoded_in_full() {
+        use super::super::spans::Outcome;
+        let mut kept = Blocks::default();
+        for i in 0u64..600 {
+            let g = i / 10;
+            let mut f = finished(
+                if g % 7 == 3 { "bob" } else { "alice" },
+                (g % 11 == 5).then_some("payments"),
+                if g % 13 == 6 { "m2" } else { "m1" },
+            );
+            f.ids.trace_id = [(i % 251) as u8; 16];
+            f.span_id = [(i * 7 % 256) as u8; 8];
+            f.start = 1_000 + i;
+            f.end = 5_000 + i * 3;
+            if g % 5 == 1 {
+                f.parent = Some([(i % 256) as u8; 8]);
+            }
+            if g % 17 == 8 {
+                f.ids.tracestate = Some(http::HeaderValue::from_static("k=v"));
+            }
+            f.notes.cached = (g % 9 == 2).then_some(1_000 + i);
+            if g % 8 == 4 {
+                f.notes.model = Some(Arc::from(format!("resp-{}", g % 3)));
+            }
+            if let Some(d) = f.decision.as_mut() {
+                // Ids of one length, then of another; counts of one to three varint bytes.
+                d.request_id = Arc::from(format!("req-{i:0w$}", w = if g < 30 { 6 } else { 9 }));
+                d.job_id = Arc::from(format!("job-{}", i % 3));
+                d.cost_usd = i as f64 * 0.001;
+                d.usage = (g % 19 != 7).then_some(match g % 3 {
+                    0 => (200 + i % 10, 20 + i % 10),
+                    1 => (20 + i % 10, 300 + i),
+                    _ => (20_000 + i, 3 + i % 7),
+                });
+                d.cache_write_tokens = if g % 23 == 9 { 5 + i % 4 } else { 0 };
+                d.requested_output_tokens = if g % 29 == 10 { 100 } else { 9 };
+                d.http_status = match g % 31 {
+                    11 => 503,
+                    12 => 429,
+                    _ => 200,
+                };
+                if d.http_status >= 400 {
+                    d.states.final_action = FinalAction::HardStop;
+                }
+            }
+            let first = f.attempts.iter().next().map(|a| {
+                (
+                    a.backend.clone(),
+                    a.provider,
+                    a.model.clone(),
+                    a.base_url.clone(),
+                )
+            });
+            if let Some((backend, provider, model, base_url)) = first {
+                let mut served = AttemptDone {
+                    span_id: [(i % 256) as u8; 8],
+                    start: 2_000 + i,
+                    end: 4_000 + i,
+                    backend,
+                    provider,
+                    model,
+                    base_url,
+                    max_tokens: 9,
+                    attempt: 1,
+                    probe: false,
+                    first_chunk: (g % 3 == 0).then_some(3_000 + i),
+                    outcome: Outcome::Served,
+                };
+                let mut all = Vec::new();
+                if g % 37 == 13 {
+                    // A failed attempt first.
+                    all.push(AttemptDone {
+                        span_id: [1; 8],
+                        start: 1_500 + i,
+                        end: 1_900 + i,
+                        backend: Arc::from("other"),
+                        provider: "openai",
+                        model: Arc::from("m0"),
+                        base_url: "http://o:2/v1".into(),
+                        max_tokens: 9,
+                        attempt: 1,
+                        probe: false,
+                        first_chunk: None,
+                        outcome: Outcome::Failed("5xx", Some(503)),
+                    });
+                    served.attempt = 2;
+                }
+                all.push(served);
+                f.attempts = Attempts::from(all);
+            }
+            let wall = Wall::now();
+            let mut with = Vec::new();
+            encode_spans(&mut kept, &mut with, &f, &wall);
+            let mut fresh = Vec::new();
+            encode_spans(&mut Blocks::default(), &mut fresh, &f, &wall);
+            assert_eq!(with, fresh, "request {i}");
+            assert_eq!(decode(&with).len(), 1 + f.attempts.len());
+        }
+        // Most spans were copies (a shape's first request of ten is encoded in full).
+        let (server, client) = (kept.server_tmpl.copies, kept.client_tmpl.copies);
+        assert!(server > 400 && client > 400, "{server} {client}");
     }
 
     #[test]

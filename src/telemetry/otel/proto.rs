@@ -21,7 +21,7 @@ fn varint(b: &mut Vec<u8>, mut v: u64) {
 
 /// Writes `v` as a varint at `b[at..]` (room for 10 bytes), returning the end.
 #[inline(always)]
-fn put_varint(b: &mut [u8], mut at: usize, mut v: u64) -> usize {
+pub(crate) fn put_varint(b: &mut [u8], mut at: usize, mut v: u64) -> usize {
     while v >= 0x80 {
         b[at] = (v as u8) | 0x80;
         v >>= 7;
@@ -31,7 +31,7 @@ fn put_varint(b: &mut [u8], mut at: usize, mut v: u64) -> usize {
     at + 1
 }
 
-fn varint_len(v: u64) -> usize {
+pub(crate) fn varint_len(v: u64) -> usize {
     // 1 byte per 7 bits, at least one.
     (64 - (v | 1).leading_zeros() as usize).div_ceil(7)
 }
