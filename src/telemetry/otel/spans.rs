@@ -389,7 +389,10 @@ static PENDING: std::sync::LazyLock<Decision> = std::sync::LazyLock::new(|| {
 impl Finished {
     /// The request's decision.
     pub fn decision(&self) -> &Decision {
-        self.decision.as_ref().unwrap_or(&PENDING)
+        match &self.decision {
+            Some(d) => d,
+            None => &PENDING,
+        }
     }
 
     /// The attempt that served, if one did: the last, ended with the request.
