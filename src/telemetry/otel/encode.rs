@@ -1,7 +1,8 @@
 //! Span encoding: a finished request's server span and one client span per attempt, written
 //! straight into an OTLP `ScopeSpans.spans` buffer, with the GenAI attributes and the decision.
 //! The attributes that repeat from request to request (consumer, team, route, states, backend)
-//! are copied from a memo of encoded blocks ([`Blocks`]).
+//! are copied from a memo of encoded blocks ([`Blocks`]), and a span shaped like the last one
+//! of its kind is copied from it whole, its own values written over ([`Template`]).
 
 use super::notes::Finish;
 use super::proto::{put_varint, varint_len, Writer};
