@@ -98,6 +98,22 @@ impl HeadParts {
             times: t,
         }
     }
+
+    /// Writes the head: ids (1, 2), `trace_state` 3 (the caller's), parent 4, times 7 and 8,
+    /// and `flags` 16, noting in `at` where the parts went.
+    fn write(&self, w: &mut Writer<'_>, f: &Finished, at: &mut Spots) {
+        at.ids = w.0.len();
+        w.0.extend_from_slice(&self.ids);
+        if let Some(ts) = &f.ids.tracestate {
+            w.bytes(3, ts.as_bytes());
+        }
+        at.parent = w.0.len();
+        if let Some(p) = &self.parent {
+            w.0.extend_from_slice(p);
+        }
+        at.times = w.0.len();
+        w.0.extend_from_slice(&self.times);
+    }
 }
 
 /// `Status { message 2, code 3 }`, code 2 = ERROR.
@@ -692,17 +708,7 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished,
         let start = out.len();
         let mut at = Spots::default();
         span(out, |w| {
-            at.ids = w.0.len();
-            w.0.extend_from_slice(&head.ids);
-            if let Some(ts) = &f.ids.tracestate {
-                w.bytes(3, ts.as_bytes());
-            }
-            at.parent = w.0.len();
-            if let Some(p) = &head.parent {
-                w.0.extend_from_slice(p);
-            }
-            at.times = w.0.len();
-            w.0.extend_from_slice(&head.times);
+            head.write(w, f, &mut at);
             blocks.server(w, f);
             if served {
                 let rel = answer_attrs(&mut Writer(&mut answer), &blocks.said.block, &counts);
@@ -822,17 +828,7 @@ fn client_span(
     let mut at = Spots::default();
     let mut status = itoa::Buffer::new();
     span(out, |w| {
-        at.ids = w.0.len();
-        w.0.extend_from_slice(&head.ids);
-        if let Some(ts) = &f.ids.tracestate {
-            w.bytes(3, ts.as_bytes());
-        }
-        at.parent = w.0.len();
-        if let Some(p) = &head.parent {
-            w.0.extend_from_slice(p);
-        }
-        at.times = w.0.len();
-        w.0.extend_from_slice(&head.times);
+        head.write(w, f, &mut at);
         blocks.client(w, f, a);
         let error: Option<&str> = match a.outcome {
             Outcome::Served => {
