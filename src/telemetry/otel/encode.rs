@@ -553,6 +553,8 @@ struct Spots {
 }
 
 impl Spots {
+    /// The spots from the span's first byte. A spot the span has no value for was never set
+    /// (0) and stays 0: the template's shape says the value is absent, so it is never written.
     fn relative_to(self, start: usize) -> Spots {
         Spots {
             ids: self.ids - start,
@@ -671,9 +673,13 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished,
     let counts = if served { counts(f) } else { [None; 4] };
     // The answer's attributes (both spans of a served request carry them), encoded only for a
     // span encoded in full.
-    let mut answer = std::mem::take(&mut blocks.answer);
-    answer.clear();
-    let mut answer_counts = None;
+    let mut bytes = std::mem::take(&mut blocks.answer);
+    bytes.clear();
+    let mut answer = Answer {
+        bytes: &mut bytes,
+        counts: &counts,
+        at: None,
+    };
     let head = HeadParts::of(
         f,
         &Head {
@@ -711,11 +717,7 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished,
             head.write(w, f, &mut at);
             blocks.server(w, f);
             if served {
-                let rel = answer_attrs(&mut Writer(&mut answer), &blocks.said.block, &counts);
-                answer_counts = Some(rel);
-                let base = w.0.len();
-                at.counts = rel.map(|r| base + r);
-                w.0.extend_from_slice(&answer);
+                at.counts = answer.write(w, &blocks.said.block);
             }
             w.attr_str(A, "tollgate.request_id", &d.request_id);
             at.request_id = w.0.len() - d.request_id.len();
@@ -753,14 +755,9 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished,
         }
     }
     for a in f.attempts.iter() {
-        let mut answer = Answer {
-            bytes: &mut answer,
-            counts: &counts,
-            at: &mut answer_counts,
-        };
         client_span(blocks, out, f, a, &mut answer, wall);
     }
-    blocks.answer = answer;
+    blocks.answer = bytes;
 }
 
 /// A served answer's attributes, encoded once for the spans of its request encoded in full.
@@ -768,7 +765,7 @@ struct Answer<'a> {
     bytes: &'a mut Vec<u8>,
     counts: &'a [Option<u64>; 4],
     /// Where the counts' varints start in `bytes`, once encoded.
-    at: &'a mut Option<[usize; 4]>,
+    at: Option<[usize; 4]>,
 }
 
 impl Answer<'_> {
