@@ -83,16 +83,54 @@ fn header_id(
     name: Option<&HeaderName>,
     what: &'static str,
 ) -> Result<Option<Arc<str>>, IdentityError> {
+    header_id_with(h, name, what, |s: &str| Arc::from(s))
+}
+
+/// [`header_id`], the text made an id by `make`.
+#[inline(always)]
+fn header_id_with(
+    h: &HeaderMap,
+    name: Option<&HeaderName>,
+    what: &'static str,
+    make: impl FnOnce(&str) -> Arc<str>,
+) -> Result<Option<Arc<str>>, IdentityError> {
     let Some(name) = name else {
         return Ok(None);
     };
     match h.get(name) {
         None => Ok(None),
         Some(v) => match v.to_str() {
-            Ok(s) if valid_id(s) => Ok(Some(Arc::from(s))),
+            Ok(s) if valid_id(s) => Ok(Some(make(s))),
             _ => Err(IdentityError::BadHeader(what)),
         },
     }
+}
+
+thread_local! {
+    /// The consumer id this thread read last from the consumer header.
+    static LAST_CONSUMER: std::cell::RefCell<Option<Arc<str>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// The consumer id `s`, sharing the `Arc` this thread made for the last one when it is the
+/// same text. Requests come from a few consumers, mostly the same one in a row: a shared id
+/// saves an allocation here and its free where the record is dropped last (the audit or the
+/// export task's thread, the allocator's slower cross-thread path), and the trace export finds
+/// it equal by address. One id per thread is kept, whatever the callers send.
+fn consumer_id(s: &str) -> Arc<str> {
+    LAST_CONSUMER.with(|last| {
+        let Ok(mut last) = last.try_borrow_mut() else {
+            return Arc::from(s);
+        };
+        match &*last {
+            Some(a) if **a == *s => a.clone(),
+            _ => {
+                let a: Arc<str> = Arc::from(s);
+                *last = Some(a.clone());
+                a
+            }
+        }
+    })
 }
 
 /// A credential as the client presented it.
@@ -140,7 +178,12 @@ pub fn caller(
     // Virtual keys are only consulted when the policy configures them; otherwise the app's
     // Authorization (often a dummy key its SDK insists on) is ignored and never forwarded.
     if id.virtual_keys.is_empty() {
-        let consumer = header_id(h, snap.consumer_header.as_ref(), "consumer header")?
+        let consumer = header_id_with(
+            h,
+            snap.consumer_header.as_ref(),
+            "consumer header",
+            consumer_id,
+        )?
             .unwrap_or_else(|| id.default_consumer.clone());
         return Ok((consumer, None));
     }
@@ -186,6 +229,33 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert(http::header::AUTHORIZATION, HeaderValue::from_static(v));
         h
+    }
+
+    #[test]
+    fn a_repeated_consumer_shares_its_id_and_a_new_one_gets_its_own() {
+        let a = consumer_id("team-a");
+        let again = consumer_id("team-a");
+        assert_eq!(&*again, "team-a");
+        assert!(Arc::ptr_eq(&a, &again), "the same text shares the Arc");
+        let b = consumer_id("team-b");
+        assert_eq!(&*b, "team-b");
+        // Only the last one is kept: back to the first text, a new Arc with its text.
+        let a2 = consumer_id("team-a");
+        assert_eq!(&*a2, "team-a");
+        assert!(!Arc::ptr_eq(&a2, &b));
+        // A prefix or an extension of the kept text is another id.
+        assert_eq!(&*consumer_id("team-"), "team-");
+        assert_eq!(&*consumer_id("team-ab"), "team-ab");
+        // Through the header, as `caller` reads it.
+        let name = HeaderName::from_static("x-tollgate-consumer");
+        let mut h = HeaderMap::new();
+        h.insert(name.clone(), HeaderValue::from_static("bench"));
+        let read = |h: &HeaderMap| header_id_with(h, Some(&name), "consumer header", consumer_id);
+        let (x, y) = (read(&h).unwrap().unwrap(), read(&h).unwrap().unwrap());
+        assert_eq!(&*x, "bench");
+        assert!(Arc::ptr_eq(&x, &y));
+        h.insert(name.clone(), HeaderValue::from_static("bad id with spaces"));
+        assert!(read(&h).is_err());
     }
 
     #[test]
