@@ -330,7 +330,15 @@ async fn one_trace_per_request_joined_to_the_callers_with_attempt_spans_and_gena
     // A stream: its server span ends with the stream, and the first chunk is timed.
     let mut sbody = body.clone();
     sbody["stream"] = j!(true);
-    let (s, _, out) = post_json(&sc.chat_url(), &sbody, &[("x-request-id", "otel-2")]).await;
+    let (s, _, out) = post_json(
+        &sc.chat_url(),
+        &sbody,
+        &[
+            ("x-request-id", "otel-2"),
+            ("x-tollgate-job", "agent-run-7"),
+        ],
+    )
+    .await;
     assert_eq!(s, 200, "{}", String::from_utf8_lossy(&out));
     let after = unix_ns();
     // Each record (and its span) is closed just after its answer is written.
@@ -370,6 +378,8 @@ async fn one_trace_per_request_joined_to_the_callers_with_attempt_spans_and_gena
     assert_eq!(s_attr(server, "tollgate.route"), "chat");
     assert_eq!(s_attr(server, "tollgate.policy_version"), "otel-1");
     assert_eq!(s_attr(server, "tollgate.request_id"), "otel-1");
+    // Without a job header the request is its own job.
+    assert_eq!(s_attr(server, "tollgate.job_id"), "otel-1");
     match attr(&server.attributes, "gen_ai.response.finish_reasons") {
         Some(any_value::Value::ArrayValue(a)) => assert_eq!(
             a.values[0].value,
@@ -431,6 +441,7 @@ async fn one_trace_per_request_joined_to_the_callers_with_attempt_spans_and_gena
         .find(|s| s.kind == SpanKind::Server as i32 && s_attr(s, "tollgate.request_id") == "otel-2")
         .expect("the stream's server span");
     assert_ne!(hex(&streamed.trace_id), CLIENT_TRACE);
+    assert_eq!(s_attr(streamed, "tollgate.job_id"), "agent-run-7");
     assert_eq!(i_attr(streamed, "gen_ai.usage.output_tokens"), 2);
     let served = got
         .spans

@@ -184,7 +184,7 @@ pub fn caller(
             "consumer header",
             consumer_id,
         )?
-            .unwrap_or_else(|| id.default_consumer.clone());
+        .unwrap_or_else(|| id.default_consumer.clone());
         return Ok((consumer, None));
     }
     match presented(h) {

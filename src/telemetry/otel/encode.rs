@@ -186,10 +186,12 @@ impl Said {
             .model
             .as_ref()
             .or(f.decision().upstream_model.as_ref());
-        if self.generation > 0
-            && self.model.as_deref() == model.map(|m| &**m)
-            && self.finish == f.notes.finish
-        {
+        let same_model = match (&self.model, model) {
+            (None, None) => true,
+            (Some(a), Some(b)) => same_text(a, b),
+            _ => false,
+        };
+        if self.generation > 0 && same_model && self.finish == f.notes.finish {
             return;
         }
         self.block.clear();
@@ -387,9 +389,14 @@ impl<'a> ServerProbe<'a> {
     }
 
     fn same(&self, k: &ServerKey) -> bool {
+        let [a0, a1, a2, a3] = &k.strs;
+        let [b0, b1, b2, b3] = self.strs;
         k.statics == self.statics
             && k.states == self.states
-            && k.strs.iter().zip(self.strs).all(|(a, b)| same_text(a, b))
+            && same_text(a0, b0)
+            && same_text(a1, b1)
+            && same_text(a2, b2)
+            && same_text(a3, b3)
             && match (&k.team, self.team) {
                 (None, None) => true,
                 (Some(a), Some(b)) => same_text(a, b),
@@ -697,13 +704,13 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished,
         parent: head.parent.is_some(),
         said: served.then_some(blocks.said.generation),
         counts: count_lens(&counts),
-        ids: (d.request_id.len(), d.job_id.len()),
+        ids: (d.request_id.len(), d.job_id().len()),
         ints: (d.requested_output_tokens, d.attempts, d.http_status),
     };
     let own = Own {
         head: &head,
         counts: &counts,
-        ids_cost: Some((d.request_id.as_bytes(), d.job_id.as_bytes(), d.cost_usd)),
+        ids_cost: Some((d.request_id.as_bytes(), d.job_id().as_bytes(), d.cost_usd)),
         first_chunk: None,
     };
     let probe = ServerProbe::of(f);
@@ -721,8 +728,8 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished,
             }
             w.attr_str(A, "tollgate.request_id", &d.request_id);
             at.request_id = w.0.len() - d.request_id.len();
-            w.attr_str(A, "tollgate.job_id", &d.job_id);
-            at.job_id = w.0.len() - d.job_id.len();
+            w.attr_str(A, "tollgate.job_id", d.job_id());
+            at.job_id = w.0.len() - d.job_id().len();
             w.attr_double(A, "tollgate.cost_usd", d.cost_usd);
             at.cost = w.0.len() - 8;
             if d.http_status >= 400 {
@@ -928,7 +935,7 @@ mod tests {
                 policy_version: Arc::from("v1"),
                 backend: Arc::from("b"),
                 request_id: Arc::from("r"),
-                job_id: Arc::from("j"),
+                job_id: Some(Arc::from("j")),
                 upstream_model: None,
                 requested_output_tokens: 9,
                 usage: Some((1, 2)),
@@ -1086,7 +1093,7 @@ mod tests {
             if let Some(d) = f.decision.as_mut() {
                 // Ids of one length, then of another; counts of one to three varint bytes.
                 d.request_id = Arc::from(format!("req-{i:0w$}", w = if g < 30 { 6 } else { 9 }));
-                d.job_id = Arc::from(format!("job-{}", i % 3));
+                d.job_id = Some(Arc::from(format!("job-{}", i % 3)));
                 d.cost_usd = i as f64 * 0.001;
                 d.usage = (g % 19 != 7).then_some(match g % 3 {
                     0 => (200 + i % 10, 20 + i % 10),

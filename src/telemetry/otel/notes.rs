@@ -91,7 +91,14 @@ impl PartialEq for Finish {
     /// have the same codes and the same `other` (a known reason always has its fixed code, an
     /// unknown one the index of its first sighting).
     fn eq(&self, other: &Finish) -> bool {
-        self.codes[..self.len()] == other.codes[..other.len()] && self.other == other.other
+        // The codes compared as one word (a slice comparison is a `memcmp` call), masked to
+        // the first `n`: a cleared list keeps its old codes past `n`.
+        let mask = u64::MAX
+            .checked_shr(8 * (MAX_FINISH - self.len()) as u32)
+            .unwrap_or(0);
+        self.n == other.n
+            && u64::from_le_bytes(self.codes) & mask == u64::from_le_bytes(other.codes) & mask
+            && self.other == other.other
     }
 }
 
@@ -206,5 +213,32 @@ mod tests {
         }
         assert_eq!(g.len(), MAX_FINISH);
         assert_eq!(g.iter().nth(1), Some("r0"));
+        // Equal by what they hold: a cleared list's old codes past its length do not count,
+        // and every one of the first `n` does.
+        let (mut reused, mut fresh) = (Finish::default(), Finish::default());
+        for r in ["length", "tool_calls", "content_filter"] {
+            reused.add(r);
+        }
+        reused.clear();
+        reused.add("stop");
+        fresh.add("stop");
+        assert_eq!(reused, fresh);
+        reused.add("length");
+        assert_ne!(reused, fresh);
+        fresh.add("tool_calls");
+        assert_ne!(reused, fresh);
+        let mut full = Finish::default();
+        let mut other = Finish::default();
+        for r in [
+            "stop",
+            "length",
+            "tool_calls",
+            "content_filter",
+            "function_call",
+        ] {
+            full.add(r);
+            other.add(r);
+        }
+        assert_eq!(full, other);
     }
 }

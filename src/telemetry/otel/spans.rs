@@ -241,7 +241,8 @@ pub(crate) struct Decision {
     pub policy_version: Arc<str>,
     pub backend: Arc<str>,
     pub request_id: Arc<str>,
-    pub job_id: Arc<str>,
+    /// `None`: the request's own id (a request without a job header is its own job).
+    pub job_id: Option<Arc<str>>,
     pub upstream_model: Option<Arc<str>>,
     pub requested_output_tokens: u64,
     /// Settled usage, when there is any evidence of it.
@@ -271,7 +272,7 @@ impl Decision {
             policy_version: rec.policy_version.clone(),
             backend: rec.backend.clone(),
             request_id: rec.request_id.clone(),
-            job_id: rec.job_id.clone(),
+            job_id: (!Arc::ptr_eq(&rec.job_id, &rec.request_id)).then(|| rec.job_id.clone()),
             upstream_model: rec.upstream_model.clone(),
             requested_output_tokens: rec.requested_output_tokens,
             usage: (rec.usage_evidence_state != UsageEvidence::None)
@@ -280,6 +281,11 @@ impl Decision {
             cost_usd: rec.cost_usd,
             attempts: rec.attempts.len(),
         }
+    }
+
+    /// `tollgate.job_id`.
+    pub fn job_id(&self) -> &str {
+        self.job_id.as_deref().unwrap_or(&self.request_id)
     }
 
     /// `tollgate.reason_class`.
@@ -375,8 +381,8 @@ static PENDING: std::sync::LazyLock<Decision> = std::sync::LazyLock::new(|| {
         team: None,
         policy_version: empty.clone(),
         backend: empty.clone(),
-        request_id: empty.clone(),
-        job_id: empty,
+        request_id: empty,
+        job_id: None,
         upstream_model: None,
         requested_output_tokens: 0,
         usage: None,
