@@ -88,14 +88,28 @@ const INPUT: usize = 2;
 const OUTPUT: usize = 3;
 
 impl Group {
+    /// A duration, in seconds.
     fn record(&mut self, which: usize, v: f64) {
-        let b = if which >= INPUT {
-            &TOKEN_BOUNDS
-        } else {
-            &DURATION_BOUNDS
-        };
-        self.hists[which].get_or_insert_with(Hist::new).record(b, v);
+        if !v.is_finite() {
+            return;
+        }
+        let i = DURATION_BOUNDS.partition_point(|b| *b < v);
+        self.hists[which].get_or_insert_with(Hist::new).add(i, v);
     }
+
+    /// A token count: its bucket is read from its bits ([`token_bucket`]), not searched for.
+    fn record_tokens(&mut self, which: usize, n: u64) {
+        self.hists[which]
+            .get_or_insert_with(Hist::new)
+            .add(token_bucket(n), n as f64);
+    }
+}
+
+/// The bucket of `n` among [`TOKEN_BOUNDS`] (the powers of 4 from 1 to 4^13; OTLP buckets
+/// are upper-inclusive): ⌈log4 n⌉, from ⌈log2 n⌉, at most 14.
+fn token_bucket(n: u64) -> usize {
+    let log2_ceil = 64 - n.saturating_sub(1).leading_zeros();
+    (((log2_ceil + 1) / 2) as usize).min(TOKEN_BOUNDS.len())
 }
 
 #[derive(Debug, Clone)]
@@ -118,12 +132,9 @@ impl Hist {
         }
     }
 
-    fn record(&mut self, bounds: &[f64; 14], v: f64) {
-        if !v.is_finite() {
-            return;
-        }
-        // OTLP buckets are upper-inclusive: bucket i holds (bounds[i-1], bounds[i]].
-        let i = bounds.partition_point(|b| *b < v);
+    /// Adds `v`, which falls in bucket `i` (OTLP buckets are upper-inclusive: bucket i holds
+    /// (bounds[i-1], bounds[i]]).
+    fn add(&mut self, i: usize, v: f64) {
         self.buckets[i] += 1;
         self.count += 1;
         self.sum += v;
@@ -239,8 +250,8 @@ impl Aggregates {
             }
             if served {
                 if let Some((input, output)) = f.decision().usage {
-                    g.record(INPUT, input as f64);
-                    g.record(OUTPUT, output as f64);
+                    g.record_tokens(INPUT, input);
+                    g.record_tokens(OUTPUT, output);
                 }
             }
         }
@@ -358,16 +369,45 @@ mod tests {
     use super::*;
 
     #[test]
-    fn buckets_are_upper_inclusive() {
-        let mut h = Hist::new();
-        for v in [0.0, 1.0, 1.5, 4.0, 1e9, f64::NAN] {
-            h.record(&TOKEN_BOUNDS, v);
+    fn a_token_counts_bucket_is_the_one_the_bounds_give() {
+        let search = |n: u64| TOKEN_BOUNDS.partition_point(|b| *b < n as f64);
+        let mut cases: Vec<u64> = (0..5000).collect();
+        for k in 0..32 {
+            let p = 1u64 << k;
+            cases.extend([p - 1, p, p + 1, p.saturating_mul(3)]);
         }
+        cases.extend([
+            67_108_863,
+            67_108_864,
+            67_108_865,
+            u64::MAX / 2,
+            u64::MAX - 1,
+            u64::MAX,
+        ]);
+        for n in cases {
+            assert_eq!(token_bucket(n), search(n), "{n} tokens");
+        }
+    }
+
+    #[test]
+    fn buckets_are_upper_inclusive() {
+        let mut g = Group::default();
+        for n in [0, 1, 2, 4, 1_000_000_000] {
+            g.record_tokens(INPUT, n);
+        }
+        let h = g.hists[INPUT].as_ref().unwrap();
         assert_eq!(h.buckets[0], 2, "0 and 1 are in (-inf, 1]");
-        assert_eq!(h.buckets[1], 2, "1.5 and 4 are in (1, 4]");
+        assert_eq!(h.buckets[1], 2, "2 and 4 are in (1, 4]");
         assert_eq!(h.buckets[14], 1, "past the last bound");
-        assert_eq!(h.count, 5, "NaN is not recorded");
         assert_eq!((h.min, h.max), (0.0, 1e9));
+        for v in [0.0, 0.01, 0.015, 0.02, 100.0, f64::NAN, f64::INFINITY] {
+            g.record(DURATION, v);
+        }
+        let h = g.hists[DURATION].as_ref().unwrap();
+        assert_eq!(h.buckets[0], 2, "0 and 0.01 are in (-inf, 0.01]");
+        assert_eq!(h.buckets[1], 2, "0.015 and 0.02 are in (0.01, 0.02]");
+        assert_eq!(h.buckets[14], 1, "past the last bound");
+        assert_eq!(h.count, 5, "NaN and infinity are not recorded");
     }
 
     #[test]
