@@ -109,7 +109,7 @@ impl Group {
 /// are upper-inclusive): ⌈log4 n⌉, from ⌈log2 n⌉, at most 14.
 fn token_bucket(n: u64) -> usize {
     let log2_ceil = 64 - n.saturating_sub(1).leading_zeros();
-    (((log2_ceil + 1) / 2) as usize).min(TOKEN_BOUNDS.len())
+    (log2_ceil.div_ceil(2) as usize).min(TOKEN_BOUNDS.len())
 }
 
 #[derive(Debug, Clone)]
