@@ -75,8 +75,9 @@ fn request_id_of(p: u32, n: u64) -> Arc<str> {
     Arc::from(std::str::from_utf8(&buf[..len]).unwrap_or("tg-0"))
 }
 
-/// Inlined into `caller`, which reads three ids with it (left out of line by the compiler, it
-/// cost ~50 instructions a request more).
+/// Inlined into `identify`, which reads the request and job ids with it (left out of line by
+/// the compiler, it cost ~50 instructions a request more); `caller` reads the consumer with
+/// [`header_id_with`] and [`consumer_id`].
 #[inline]
 fn header_id(
     h: &HeaderMap,

@@ -186,12 +186,10 @@ impl Said {
             .model
             .as_ref()
             .or(f.decision().upstream_model.as_ref());
-        let same_model = match (&self.model, model) {
-            (None, None) => true,
-            (Some(a), Some(b)) => same_text(a, b),
-            _ => false,
-        };
-        if self.generation > 0 && same_model && self.finish == f.notes.finish {
+        if self.generation > 0
+            && same_opt_text(self.model.as_ref(), model)
+            && self.finish == f.notes.finish
+        {
             return;
         }
         self.block.clear();
@@ -333,6 +331,15 @@ fn same_text(a: &Arc<str>, b: &Arc<str>) -> bool {
     Arc::ptr_eq(a, b) || **a == **b
 }
 
+/// [`same_text`] of two optional texts (both absent is the same).
+fn same_opt_text(a: Option<&Arc<str>>, b: Option<&Arc<str>>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => same_text(a, b),
+        _ => false,
+    }
+}
+
 /// `&'static str`s are compared by address (equal addresses are equal strings; unequal ones at
 /// worst cost a second entry), the others by content.
 fn static_id(s: &'static str) -> (usize, usize) {
@@ -389,19 +396,10 @@ impl<'a> ServerProbe<'a> {
     }
 
     fn same(&self, k: &ServerKey) -> bool {
-        let [a0, a1, a2, a3] = &k.strs;
-        let [b0, b1, b2, b3] = self.strs;
         k.statics == self.statics
             && k.states == self.states
-            && same_text(a0, b0)
-            && same_text(a1, b1)
-            && same_text(a2, b2)
-            && same_text(a3, b3)
-            && match (&k.team, self.team) {
-                (None, None) => true,
-                (Some(a), Some(b)) => same_text(a, b),
-                _ => false,
-            }
+            && k.strs.iter().zip(self.strs).all(|(a, b)| same_text(a, b))
+            && same_opt_text(k.team.as_ref(), self.team)
     }
 }
 
