@@ -33,7 +33,7 @@ measure() {
   env ${VG_PRELOAD:+LD_PRELOAD=$VG_PRELOAD} valgrind --tool=callgrind ${VG_ARGS:-} --callgrind-out-file="$OUT/$name.%p" "$@" >"$OUT/$name.log" 2>&1 &
   local vg=$!; pids+=($vg)
   wait_port "$port"
-  send "$port" 20
+  send "$port" "${WARM:-20}"
   # Background work the warm-up caused (span export) runs before the count starts.
   sleep "${PRE_SETTLE:-0}"
   callgrind_control -z "$vg" >/dev/null 2>&1

@@ -564,6 +564,17 @@ async fn a_traced_attempt_sends_only_its_own_trace_context() {
         "{sent}"
     );
     assert_eq!(seen.headers.get_all("tracestate").iter().count(), 0);
+    // A tracestate alone (no traceparent at all) is left out too.
+    let (st, _, out) = post_json(
+        &sc.chat_url(),
+        &j!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}),
+        &[("tracestate", "vendor=alone")],
+    )
+    .await;
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&out));
+    let seen = &up.requests()[1];
+    assert_eq!(seen.headers.get_all("traceparent").iter().count(), 1);
+    assert_eq!(seen.headers.get_all("tracestate").iter().count(), 0);
     otel::shutdown(Duration::from_secs(5)).await;
 }
 

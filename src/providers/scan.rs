@@ -24,10 +24,9 @@ pub struct Scanned<'a> {
     pub usage: Option<&'a [u8]>,
     /// `usage` read in place, when it has the plain shape (see [`usage_here`]).
     pub read_usage: Option<StreamUsage>,
-    /// `model`, when a short string without escapes (valid UTF-8).
-    pub model: Option<&'a [u8]>,
-    /// Each choice's `finish_reason`, when a short string without escapes, in order.
-    pub finish: super::validate::Reasons<'a>,
+    /// With `said`: the model and each choice's `finish_reason`, when short strings without
+    /// escapes.
+    pub said: super::validate::Said<'a>,
 }
 
 /// Longest `model` or finish reason kept (longer ones are left out, as serde's path does).
@@ -119,7 +118,7 @@ pub fn answer(body: &[u8], said: bool) -> Option<Scanned<'_>> {
                             }
                         })?;
                         if let Some(r) = reason {
-                            out.finish.add(r);
+                            out.said.finish.add(r);
                         }
                         Some(())
                     })
@@ -132,7 +131,7 @@ pub fn answer(body: &[u8], said: bool) -> Option<Scanned<'_>> {
                 p.array(2, |p| p.value(2))
             }
             2 if said => {
-                out.model = name(p, 1)?;
+                out.said.model = name(p, 1)?;
                 Some(())
             }
             2 => p.value(1),

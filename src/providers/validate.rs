@@ -81,14 +81,14 @@ fn scanned_usage(s: &scan::Scanned<'_>) -> Option<StreamUsage> {
 /// reasons of its choices (short unescaped strings only; others are left out). Kept as the
 /// answer's bytes, valid UTF-8 (checked only where they are not ASCII: a short name's UTF-8
 /// check cost more than the rest of reading it).
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Said<'a> {
     pub model: Option<&'a [u8]>,
     pub finish: Reasons<'a>,
 }
 
 /// Distinct finish reasons in the order first seen, at most [`Reasons::MAX`] (`n` choices).
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Reasons<'a> {
     items: [&'a [u8]; Reasons::MAX],
     n: usize,
@@ -109,27 +109,35 @@ impl<'a> Reasons<'a> {
     }
 }
 
-/// [`openai_answer`], also reading [`Said`] in the same pass. Accepts and refuses exactly the
-/// answers [`openai_answer`] does: what is read is read leniently (a `model` or a
-/// `finish_reason` that is not a plain string is left out, never an error).
-pub fn openai_answer_said(
+/// [`openai_answer`], also reading [`Said`] in the same pass and handing it to `note` with
+/// the usage (borrowed where it was read: nothing is moved out). Accepts and refuses exactly
+/// the answers [`openai_answer`] does: what is read is read leniently (a `model` or a
+/// `finish_reason` that is not a plain string is left out, never an error); `note` runs only
+/// for an answer accepted.
+pub fn openai_answer_noting<'b>(
     endpoint: Endpoint,
-    body: &[u8],
-) -> Option<(Option<StreamUsage>, Said<'_>)> {
+    body: &'b [u8],
+    note: impl FnOnce(&Said<'b>, Option<&StreamUsage>),
+) -> Option<Option<StreamUsage>> {
     if let Some(s) = scan::answer(body, true) {
         if !scanned_ok(&s, endpoint) {
             return None;
         }
         let usage = scanned_usage(&s);
-        return Some((
-            usage,
-            Said {
-                model: s.model,
-                finish: s.finish,
-            },
-        ));
+        note(&s.said, usage.as_ref());
+        return Some(usage);
     }
-    serde_answer_said(endpoint, body)
+    let (usage, said) = serde_answer_said(endpoint, body)?;
+    note(&said, usage.as_ref());
+    Some(usage)
+}
+
+/// [`openai_answer_noting`] with what it noted returned (for the tests).
+#[cfg(test)]
+fn openai_answer_said(endpoint: Endpoint, body: &[u8]) -> Option<(Option<StreamUsage>, Said<'_>)> {
+    let mut said = None;
+    let usage = openai_answer_noting(endpoint, body, |s, _| said = Some(s.clone()))?;
+    Some((usage, said?))
 }
 
 /// [`openai_answer_said`] by serde_json alone.

@@ -629,12 +629,12 @@ fn read_answer(
     let Some(span) = span else {
         return providers::validate::openai_answer(endpoint, b);
     };
-    let (usage, said) = providers::validate::openai_answer_said(endpoint, b)?;
-    let cached = usage
-        .and_then(|u| u.prompt_tokens_details)
-        .and_then(|d| d.cached_tokens);
-    crate::telemetry::otel::note_said(span, &said, cached);
-    Some(usage)
+    providers::validate::openai_answer_noting(endpoint, b, |said, usage| {
+        let cached = usage
+            .and_then(|u| u.prompt_tokens_details)
+            .and_then(|d| d.cached_tokens);
+        crate::telemetry::otel::note_said(span, said, cached);
+    })
 }
 
 async fn read_body(
