@@ -140,7 +140,7 @@ fn openai_answer_said(endpoint: Endpoint, body: &[u8]) -> Option<(Option<StreamU
     Some((usage, said?))
 }
 
-/// [`openai_answer_said`] by serde_json alone.
+/// What [`openai_answer_noting`] reads, by serde_json alone.
 fn serde_answer_said(endpoint: Endpoint, body: &[u8]) -> Option<(Option<StreamUsage>, Said<'_>)> {
     let s = serde_json::from_slice::<Shape<'_, Choices<'_>, Plain<'_>>>(body).ok()?;
     if !s.ok(endpoint) {
