@@ -9,6 +9,7 @@
 #   VARY=1 bench/callgrind.sh             (every request's prompt differs: no count from the memo)
 #   KEEP=1 bench/callgrind.sh             (keep the dumps in /tmp/tollgate-cg/ for callgrind_annotate)
 #   VG_ARGS=--separate-threads=yes KEEP=1 bench/callgrind.sh   (one dump per thread)
+#   WARM=500 bench/callgrind.sh            (500 warm-up requests before counting, not 20; bench/otel-cost.sh too)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${N:-500}
