@@ -6,7 +6,7 @@
 
 use super::notes::Finish;
 use super::proto::{put_varint, varint_len, Writer};
-use super::spans::{Finished, Outcome, States, Wall, STATE_KEYS};
+use super::spans::{Decision, Finished, Outcome, States, Wall, STATE_KEYS};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -134,8 +134,7 @@ fn sat(n: u64) -> i64 {
 
 /// The answer's counts, as their attributes carry them: input and output tokens, cache reads
 /// and cache writes (each when the answer has it).
-fn counts(f: &Finished) -> [Option<u64>; 4] {
-    let d = f.decision();
+fn counts(f: &Finished, d: &Decision<'_>) -> [Option<u64>; 4] {
     [
         d.usage.map(|(i, _)| sat(i) as u64),
         d.usage.map(|(_, o)| sat(o) as u64),
@@ -180,12 +179,8 @@ struct Said {
 impl Said {
     /// Makes [`Said::block`] that of `f`'s answer, encoding it only when it differs from the
     /// last one.
-    fn update(&mut self, f: &Finished) {
-        let model = f
-            .notes
-            .model
-            .as_ref()
-            .or(f.decision().upstream_model.as_ref());
+    fn update(&mut self, f: &Finished, d: &Decision<'_>) {
+        let model = f.notes.model.as_ref().or(d.upstream_model);
         if self.generation > 0
             && same_opt_text(self.model.as_ref(), model)
             && self.finish == f.notes.finish
@@ -381,17 +376,16 @@ struct ServerProbe<'a> {
 }
 
 impl<'a> ServerProbe<'a> {
-    fn of(f: &'a Finished) -> ServerProbe<'a> {
-        let d = f.decision();
+    fn of(f: &'a Finished, d: &Decision<'a>) -> ServerProbe<'a> {
         ServerProbe {
             statics: [
                 static_id(f.op),
                 static_id(f.path),
                 static_id(served_provider(f)),
             ],
-            strs: [&d.route, &d.consumer, &d.policy_version, &d.backend],
+            strs: [d.route, d.consumer, d.policy_version, d.backend],
             states: d.states,
-            team: d.team.as_ref(),
+            team: d.team,
         }
     }
 
@@ -413,10 +407,9 @@ fn client_same(k: &ClientKey, f: &Finished, a: &super::spans::AttemptDone) -> bo
 }
 
 impl Blocks {
-    fn server(&mut self, w: &mut Writer<'_>, f: &Finished) {
+    fn server(&mut self, w: &mut Writer<'_>, f: &Finished, d: &Decision<'_>) {
         use std::hash::{Hash, Hasher};
-        let d = f.decision();
-        let probe = ServerProbe::of(f);
+        let probe = ServerProbe::of(f, d);
         self.server.write(
             w.0,
             |k| probe.same(k),
@@ -434,15 +427,15 @@ impl Blocks {
                 statics: probe.statics,
                 states: d.states,
                 strs: probe.strs.map(Arc::clone),
-                team: d.team.clone(),
+                team: d.team.cloned(),
             },
             |w| {
-                name_and_kind(w, (f.op, &d.route), 2); // SERVER
+                name_and_kind(w, (f.op, d.route), 2); // SERVER
                 w.attr_str(A, "gen_ai.operation.name", f.op);
                 w.attr_str(A, "http.request.method", "POST");
                 w.attr_str(A, "url.path", f.path);
                 if !d.route.is_empty() {
-                    w.attr_str(A, "gen_ai.request.model", &d.route);
+                    w.attr_str(A, "gen_ai.request.model", d.route);
                 }
                 if f.served().is_some() {
                     w.attr_str(A, "gen_ai.provider.name", served_provider(f));
@@ -450,13 +443,13 @@ impl Blocks {
                 for (k, v) in STATE_KEYS.iter().zip(d.states.strs()) {
                     w.attr_str(A, k, v);
                 }
-                w.attr_str(A, "tollgate.consumer", &d.consumer);
+                w.attr_str(A, "tollgate.consumer", d.consumer);
                 if let Some(t) = &d.team {
                     w.attr_str(A, "tollgate.team", t);
                 }
-                w.attr_str(A, "tollgate.route", &d.route);
-                w.attr_str(A, "tollgate.policy_version", &d.policy_version);
-                w.attr_str(A, "tollgate.backend", &d.backend);
+                w.attr_str(A, "tollgate.route", d.route);
+                w.attr_str(A, "tollgate.policy_version", d.policy_version);
+                w.attr_str(A, "tollgate.backend", d.backend);
             },
         );
     }
@@ -669,13 +662,18 @@ struct ClientShape {
 /// Appends a finished request's spans (`ScopeSpans.spans = 2`) to `out`: the server span,
 /// then one client span per attempt.
 /// `wall` places the record's monotonic instants on the wall clock.
-pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished, wall: &Wall) {
-    let d = f.decision();
+pub(crate) fn encode_spans(
+    blocks: &mut Blocks,
+    out: &mut Vec<u8>,
+    f: &Finished,
+    d: &Decision<'_>,
+    wall: &Wall,
+) {
     let served = f.served().is_some();
     if served {
-        blocks.said.update(f);
+        blocks.said.update(f, d);
     }
-    let counts = if served { counts(f) } else { [None; 4] };
+    let counts = if served { counts(f, d) } else { [None; 4] };
     // The answer's attributes (both spans of a served request carry them), encoded only for a
     // span encoded in full.
     let mut bytes = std::mem::take(&mut blocks.answer);
@@ -711,7 +709,7 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished,
         ids_cost: Some((d.request_id.as_bytes(), d.job_id().as_bytes(), d.cost_usd)),
         first_chunk: None,
     };
-    let probe = ServerProbe::of(f);
+    let probe = ServerProbe::of(f, d);
     let copied = plain
         && blocks.server.last_is(|k| probe.same(k))
         && blocks.server_tmpl.apply(out, &shape, &own);
@@ -720,11 +718,11 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished,
         let mut at = Spots::default();
         span(out, |w| {
             head.write(w, f, &mut at);
-            blocks.server(w, f);
+            blocks.server(w, f, d);
             if served {
                 at.counts = answer.write(w, &blocks.said.block);
             }
-            w.attr_str(A, "tollgate.request_id", &d.request_id);
+            w.attr_str(A, "tollgate.request_id", d.request_id);
             at.request_id = w.0.len() - d.request_id.len();
             w.attr_str(A, "tollgate.job_id", d.job_id());
             at.job_id = w.0.len() - d.job_id().len();
@@ -760,7 +758,7 @@ pub(crate) fn encode_spans(blocks: &mut Blocks, out: &mut Vec<u8>, f: &Finished,
         }
     }
     for a in f.attempts.iter() {
-        client_span(blocks, out, f, a, &mut answer, wall);
+        client_span(blocks, out, f, d, a, &mut answer, wall);
     }
     blocks.answer = bytes;
 }
@@ -790,11 +788,11 @@ fn client_span(
     blocks: &mut Blocks,
     out: &mut Vec<u8>,
     f: &Finished,
+    d: &Decision<'_>,
     a: &super::spans::AttemptDone,
     answer: &mut Answer<'_>,
     wall: &Wall,
 ) {
-    let d = f.decision();
     let head = HeadParts::of(
         f,
         &Head {
@@ -885,43 +883,108 @@ fn client_span(
 #[cfg(test)]
 mod tests {
     use super::super::notes::Notes;
-    use super::super::spans::{
-        AttemptDone, Attempts, Decision, Finished, Outcome, States, TraceIds,
-    };
+    use super::super::spans::{AttemptDone, Attempts, Finished, Outcome, States, TraceIds};
     use super::host_port;
-    use super::{encode_spans, Blocks, Wall};
+    use super::{encode_spans, Blocks, Decision, Wall};
     use crate::governor::{FinalAction, ReasonClass, UsageEvidence};
     use std::sync::Arc;
 
-    fn finished(consumer: &str, team: Option<&str>, model: &str) -> Finished {
-        Finished {
-            ids: TraceIds {
-                trace_id: [1; 16],
-                sampled: true,
-                tracestate: None,
-            },
-            span_id: [2; 8],
-            parent: None,
-            start: 1,
-            end: 2,
-            op: "chat",
-            path: "/v1/chat/completions",
-            notes: Notes::default(),
-            attempts: Attempts::from(vec![AttemptDone {
-                span_id: [3; 8],
+    /// The decision's fields, owned (the export borrows them from the record).
+    struct Owned {
+        states: States,
+        http_status: u16,
+        route: Arc<str>,
+        consumer: Arc<str>,
+        team: Option<Arc<str>>,
+        policy_version: Arc<str>,
+        backend: Arc<str>,
+        request_id: Arc<str>,
+        job_id: Option<Arc<str>>,
+        upstream_model: Option<Arc<str>>,
+        requested_output_tokens: u64,
+        usage: Option<(u64, u64)>,
+        cache_write_tokens: u64,
+        cost_usd: f64,
+        attempts: usize,
+    }
+
+    impl Owned {
+        fn view(&self) -> Decision<'_> {
+            Decision {
+                states: self.states,
+                http_status: self.http_status,
+                route: &self.route,
+                consumer: &self.consumer,
+                team: self.team.as_ref(),
+                policy_version: &self.policy_version,
+                backend: &self.backend,
+                request_id: &self.request_id,
+                job_id: self.job_id.as_ref(),
+                upstream_model: self.upstream_model.as_ref(),
+                requested_output_tokens: self.requested_output_tokens,
+                usage: self.usage,
+                cache_write_tokens: self.cache_write_tokens,
+                cost_usd: self.cost_usd,
+                attempts: self.attempts,
+            }
+        }
+    }
+
+    /// A finished request with its decision.
+    struct Req {
+        f: Finished,
+        decision: Option<Owned>,
+    }
+
+    impl std::ops::Deref for Req {
+        type Target = Finished;
+        fn deref(&self) -> &Finished {
+            &self.f
+        }
+    }
+
+    impl std::ops::DerefMut for Req {
+        fn deref_mut(&mut self) -> &mut Finished {
+            &mut self.f
+        }
+    }
+
+    fn encode(blocks: &mut Blocks, out: &mut Vec<u8>, r: &Req, wall: &Wall) {
+        let d = r.decision.as_ref().map(Owned::view);
+        encode_spans(blocks, out, &r.f, d.as_ref().unwrap(), wall);
+    }
+
+    fn finished(consumer: &str, team: Option<&str>, model: &str) -> Req {
+        Req {
+            f: Finished {
+                ids: TraceIds {
+                    trace_id: [1; 16],
+                    sampled: true,
+                    tracestate: None,
+                },
+                span_id: [2; 8],
+                parent: None,
                 start: 1,
                 end: 2,
-                backend: Arc::from("b"),
-                provider: "openai",
-                model: Arc::from(model),
-                base_url: "http://h:1/v1".into(),
-                max_tokens: 9,
-                attempt: 1,
-                probe: false,
-                first_chunk: None,
-                outcome: Outcome::Served,
-            }]),
-            decision: Some(Decision {
+                op: "chat",
+                path: "/v1/chat/completions",
+                notes: Notes::default(),
+                attempts: Attempts::from(vec![AttemptDone {
+                    span_id: [3; 8],
+                    start: 1,
+                    end: 2,
+                    backend: Arc::from("b"),
+                    provider: "openai",
+                    model: Arc::from(model),
+                    base_url: "http://h:1/v1".into(),
+                    max_tokens: 9,
+                    attempt: 1,
+                    probe: false,
+                    first_chunk: None,
+                    outcome: Outcome::Served,
+                }]),
+            },
+            decision: Some(Owned {
                 states: States {
                     usage_evidence: UsageEvidence::Actual,
                     ..States::default()
@@ -974,7 +1037,7 @@ mod tests {
         ];
         for (consumer, team, model) in cases {
             let mut out = Vec::new();
-            encode_spans(
+            encode(
                 &mut blocks,
                 &mut out,
                 &finished(consumer, team, model),
@@ -1008,7 +1071,7 @@ mod tests {
             d.states.reason_class = ReasonClass::HardBudgetExceeded;
         }
         let mut out = Vec::new();
-        encode_spans(&mut blocks, &mut out, &f, &Wall::now());
+        encode(&mut blocks, &mut out, &f, &Wall::now());
         let server = &decode(&out)[0];
         assert_eq!(
             attr(server, "tollgate.final_action").as_deref(),
@@ -1039,7 +1102,7 @@ mod tests {
                 f.notes.finish.add(r);
             }
             let mut out = Vec::new();
-            encode_spans(&mut blocks, &mut out, &f, &Wall::now());
+            encode(&mut blocks, &mut out, &f, &Wall::now());
             for sp in decode(&out) {
                 assert_eq!(attr(&sp, "gen_ai.response.model").as_deref(), model);
                 let reasons = attr(&sp, "gen_ai.response.finish_reasons");
@@ -1156,9 +1219,9 @@ mod tests {
             }
             let wall = Wall::now();
             let mut with = Vec::new();
-            encode_spans(&mut kept, &mut with, &f, &wall);
+            encode(&mut kept, &mut with, &f, &wall);
             let mut fresh = Vec::new();
-            encode_spans(&mut Blocks::default(), &mut fresh, &f, &wall);
+            encode(&mut Blocks::default(), &mut fresh, &f, &wall);
             assert_eq!(with, fresh, "request {i}");
             assert_eq!(decode(&with).len(), 1 + f.attempts.len());
         }

@@ -13,18 +13,20 @@ use super::config::{Protocol, Settings};
 use super::encode::{encode_spans, Blocks};
 use super::metrics::Aggregates;
 use super::proto;
-use super::spans::{now_ns, Finished, RequestTrace, Wall};
+use super::spans::{now_ns, Decision, Finished, Wall};
 use crate::telemetry::names::TOLLGATE_OTEL_DROPPED_SPANS_TOTAL;
 use bytes::Bytes;
-use crossbeam_queue::ArrayQueue;
+use crossbeam_utils::atomic::AtomicCell;
 use http::{Request, Uri};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
-use std::sync::Arc;
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::{mpsc, oneshot, Notify};
+use tokio::sync::{mpsc, oneshot};
 
 /// Largest collector answer read (it is a small protobuf status).
 const MAX_ANSWER: usize = 64 * 1024;
@@ -129,20 +131,47 @@ impl HyperClient {
     }
 }
 
-/// The finished-request queue the request path pushes into.
+/// What one thread encoded and measured since the export task last took it: the batch of
+/// spans it is building (`prefix` bytes kept free in front for the request's head, written at
+/// hand-off, so the spans are never copied or moved) and the metrics of its requests.
+struct Pending {
+    spans: Vec<u8>,
+    /// Spans in `spans`.
+    in_batch: u64,
+    aggregates: Aggregates,
+    /// The wall clock when this began: it places the spans' monotonic instants (see [`Wall`]).
+    wall: Wall,
+}
+
+/// A thread's [`Pending`]: the thread takes it out and puts it back around each request it
+/// ends, and the export task takes it on its ticks, each with one atomic swap of a pointer
+/// (no lock, no wake-up). Whoever finds it empty starts a new one (the thread) or moves on
+/// (the export task).
+#[derive(Default)]
+struct Slot(AtomicCell<Option<Box<Pending>>>);
+
+/// The exporter's end the request path reaches: where a thread's slot is registered, and
+/// what a thread needs to hand a full batch to the sender itself.
 pub(crate) struct SpanQueue {
-    q: ArrayQueue<Box<RequestTrace>>,
-    /// Records waiting at which the export task drains early.
+    /// Tells this exporter from one installed before or after it (a thread's slot belongs
+    /// to one).
+    id: u64,
+    out: mpsc::Sender<Out>,
+    fixed: Fixed,
+    /// Bytes kept free in front of a batch for its head.
+    prefix: usize,
     batch: usize,
-    ready: Notify,
+    /// Every thread's slot (registered once per thread; a slot whose thread is gone is
+    /// emptied and dropped by the export task).
+    slots: Mutex<Vec<Arc<Slot>>>,
     full: metrics::Counter,
 }
 
 impl std::fmt::Debug for SpanQueue {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SpanQueue")
-            .field("len", &self.q.len())
-            .finish()
+            .field("id", &self.id)
+            .finish_non_exhaustive()
     }
 }
 
@@ -155,22 +184,126 @@ fn spans_of(f: &Finished) -> u64 {
     }
 }
 
+/// What a thread keeps for the spans it encodes: the memo of repeating attributes and the
+/// span templates ([`Blocks`]), and its slot with the exporter it belongs to.
+struct Local {
+    blocks: Blocks,
+    slot: Option<(u64, Arc<Slot>)>,
+}
+
+thread_local! {
+    static LOCAL: RefCell<Local> = RefCell::new(Local {
+        blocks: Blocks::default(),
+        slot: None,
+    });
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
 impl SpanQueue {
-    /// Queues `t` (its box: a pointer's worth of copying) without blocking or waking anyone
-    /// unless a batch is ready.
-    pub(crate) fn push(&self, t: Box<RequestTrace>) {
-        match self.q.push(t) {
-            Ok(()) => {
-                // Counted in records: a sampled record carries one span or more, so `batch`
-                // records hold at least a batch of spans (and unsampled ones feed the metrics).
-                // `>=`, not `==`: two pushes at once can both see the length past `batch`.
-                if self.q.len() >= self.batch {
-                    self.ready.notify_one();
+    /// Records a finished request where it ended: its metrics into the thread's aggregates
+    /// and, when sampled, its spans encoded into the thread's batch, which goes to the sender
+    /// once full (dropped and counted when the sender's outbox is full). Nothing is queued per
+    /// request and nothing crosses to another thread but full batches.
+    pub(crate) fn record(&self, f: &Finished, d: &Decision<'_>) {
+        LOCAL.with(|l| {
+            let Ok(mut l) = l.try_borrow_mut() else {
+                self.full.increment(spans_of(f));
+                return;
+            };
+            let Local { blocks, slot } = &mut *l;
+            if !matches!(slot, Some((id, _)) if *id == self.id) {
+                // Once per thread (and per exporter installed).
+                let s = Arc::new(Slot::default());
+                lock(&self.slots).push(s.clone());
+                *slot = Some((self.id, s));
+            }
+            let Some((_, slot)) = slot.as_ref() else {
+                return;
+            };
+            let mut p = slot.0.take().unwrap_or_else(|| {
+                Box::new(Pending {
+                    spans: Vec::new(),
+                    in_batch: 0,
+                    aggregates: Aggregates::new(0),
+                    wall: Wall::now(),
+                })
+            });
+            p.aggregates.observe(f, d);
+            if f.ids.sampled {
+                if p.spans.capacity() - p.spans.len() < ROOM_PER_REQUEST && p.in_batch > 0 {
+                    // Out of the room reserved: sent as it is rather than copied to grow.
+                    self.hand_off(&mut p);
+                }
+                if p.spans.is_empty() {
+                    // At least 2 KiB a span (1 KiB was too little for the bench request's
+                    // spans): a growing batch would be copied at each doubling.
+                    p.spans.reserve(self.prefix + self.batch.min(4096) * 2048);
+                    p.spans.resize(self.prefix, 0);
+                }
+                encode_spans(blocks, &mut p.spans, f, d, &p.wall);
+                p.in_batch += spans_of(f);
+                if p.in_batch >= self.batch as u64 {
+                    self.hand_off(&mut p);
                 }
             }
-            Err(t) => self.full.increment(spans_of(&t.f)),
+            slot.0.store(Some(p));
+        });
+    }
+
+    /// Gives `p`'s batch to the sender without waiting (dropped and counted when its outbox
+    /// is full: the collector is slow or down).
+    fn hand_off(&self, p: &mut Pending) {
+        if p.in_batch == 0 {
+            return;
+        }
+        let n = std::mem::take(&mut p.in_batch);
+        let body = self.seal(std::mem::take(&mut p.spans));
+        if self.out.try_send(Out::Spans(body, n)).is_err() {
+            self.full.increment(n);
         }
     }
+
+    /// Writes the request's head in front of a batch's spans.
+    fn seal(&self, mut spans: Vec<u8>) -> Bytes {
+        // ExportTraceServiceRequest.resource_spans = 1: { resource 1, scope_spans 2: { scope 1,
+        // spans 2 } }
+        let spans_len = spans.len() - self.prefix;
+        let (res, scope) = (&self.fixed.resource, &self.fixed.scope);
+        let (res_head, rn) = proto::head(1, res.len());
+        let (scope_head, sn) = proto::head(1, scope.len());
+        let scope_spans = sn + scope.len() + spans_len;
+        let (ss_head, ssn) = proto::head(2, scope_spans);
+        let resource_spans = rn + res.len() + ssn + scope_spans;
+        let (rs_head, rsn) = proto::head(1, resource_spans);
+        let mut head = Vec::with_capacity(self.prefix);
+        head.extend_from_slice(&rs_head[..rsn]);
+        head.extend_from_slice(&res_head[..rn]);
+        head.extend_from_slice(res);
+        head.extend_from_slice(&ss_head[..ssn]);
+        head.extend_from_slice(&scope_head[..sn]);
+        head.extend_from_slice(scope);
+        let start = self.prefix - head.len();
+        spans[start..self.prefix].copy_from_slice(&head);
+        Bytes::from(spans).slice(start..)
+    }
+
+    /// Takes every thread's pending work, and forgets the slots of threads that are gone.
+    fn take_all(&self) -> Vec<Pending> {
+        let mut taken = Vec::new();
+        lock(&self.slots).retain(|s| {
+            if let Some(p) = s.0.take() {
+                taken.push(*p);
+            }
+            // Held by its thread too while the thread lives (and uses this exporter).
+            Arc::strong_count(s) > 1
+        });
+        taken
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// What the sender posts.
@@ -181,7 +314,7 @@ enum Out {
     Ack(oneshot::Sender<()>),
 }
 
-/// Asks the export task to drain, encode and post everything now, and to answer when done.
+/// Asks the export task to take, encode and post everything now, and to answer when done.
 #[derive(Debug)]
 pub(super) struct Control(mpsc::Sender<oneshot::Sender<()>>);
 
@@ -208,13 +341,16 @@ pub(super) fn start(s: &Settings, fixed: Fixed) -> Result<(Arc<SpanQueue>, Contr
         .map_err(|_| "no Tokio runtime to export from".to_string())?;
     let traces: Uri = s.traces_endpoint.parse().map_err(|e| format!("{e}"))?;
     let metrics_url: Uri = s.metrics_endpoint.parse().map_err(|e| format!("{e}"))?;
+    let (out_tx, out_rx) = mpsc::channel(OUTBOX);
     let queue = Arc::new(SpanQueue {
-        q: ArrayQueue::new(s.queue),
-        batch: s.batch,
-        ready: Notify::new(),
+        id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+        out: out_tx,
+        prefix: fixed.resource.len() + fixed.scope.len() + 32,
+        fixed,
+        batch: s.batch.max(1),
+        slots: Mutex::new(Vec::new()),
         full: metrics::counter!(TOLLGATE_OTEL_DROPPED_SPANS_TOTAL, "reason" => "queue_full"),
     });
-    let (out_tx, out_rx) = mpsc::channel(OUTBOX);
     let (ctl_tx, ctl_rx) = mpsc::channel(4);
     let sender = Sender {
         client: HyperClient::new(s.timeout, s.protocol),
@@ -227,18 +363,9 @@ pub(super) fn start(s: &Settings, fixed: Fixed) -> Result<(Arc<SpanQueue>, Contr
     rt.spawn(sender.run(out_rx));
     let worker = Worker {
         queue: queue.clone(),
-        out: out_tx,
-        batch: s.batch,
         delay: s.schedule_delay,
         metric_interval: s.metric_interval,
-        prefix: fixed.resource.len() + fixed.scope.len() + 32,
-        fixed,
-        spans: Vec::new(),
-        last_batch: 0,
-        blocks: Blocks::default(),
-        in_batch: 0,
         aggregates: Aggregates::new(now_ns()),
-        full: queue.full.clone(),
     };
     rt.spawn(worker.run(ctl_rx));
     Ok((queue, Control(ctl_tx)))
@@ -248,52 +375,40 @@ pub(super) fn start(s: &Settings, fixed: Fixed) -> Result<(Arc<SpanQueue>, Contr
 /// are added (a request with a few attempts encodes to a few KiB).
 const ROOM_PER_REQUEST: usize = 8 * 1024;
 
+/// The export task: every schedule delay it takes what the threads have pending and sends
+/// their batches; every metric interval, the metrics (cumulative, from all threads' since
+/// the start).
 struct Worker {
     queue: Arc<SpanQueue>,
-    out: mpsc::Sender<Out>,
-    batch: usize,
     delay: Duration,
     metric_interval: Duration,
-    fixed: Fixed,
-    /// The batch being built: `prefix` bytes kept free for the request's head (written at
-    /// hand-off, so the spans are never copied or moved), then the encoded `Span` fields.
-    spans: Vec<u8>,
-    prefix: usize,
-    blocks: Blocks,
-    /// Bytes of the last batch handed off (the next one is reserved at 5/4 of it).
-    last_batch: usize,
-    in_batch: u64,
     aggregates: Aggregates,
-    full: metrics::Counter,
 }
 
 impl Worker {
     async fn run(mut self, mut ctl: mpsc::Receiver<oneshot::Sender<()>>) {
         let mut due = tokio::time::Instant::now() + self.delay;
         let mut metrics_due = tokio::time::Instant::now() + self.metric_interval;
-        let queue = self.queue.clone();
         loop {
             tokio::select! {
                 biased;
                 done = ctl.recv() => {
                     let Some(done) = done else {
                         // The exporter was replaced or shut down: send what is left.
-                        self.drain(true).await;
+                        self.collect(true).await;
                         self.metrics(true).await;
                         return;
                     };
-                    self.drain(true).await;
+                    self.collect(true).await;
                     self.metrics(true).await;
-                    let _ = self.out.send(Out::Ack(done)).await;
+                    let _ = self.queue.out.send(Out::Ack(done)).await;
                 }
-                _ = queue.ready.notified() => self.drain(false).await,
                 _ = tokio::time::sleep_until(due) => {
-                    self.drain(false).await;
-                    self.hand_off(false).await;
+                    self.collect(false).await;
                     due = tokio::time::Instant::now() + self.delay;
                 }
                 _ = tokio::time::sleep_until(metrics_due) => {
-                    self.drain(false).await;
+                    self.collect(false).await;
                     self.metrics(false).await;
                     metrics_due = tokio::time::Instant::now() + self.metric_interval;
                 }
@@ -301,88 +416,37 @@ impl Worker {
         }
     }
 
-    /// Takes everything queued: metrics for all, spans for the sampled, batches handed off as
-    /// they fill (`wait`: for room in the outbox, as a flush does, instead of dropping).
-    async fn drain(&mut self, wait: bool) {
-        // The wall clock, read once for what this drain takes (see `Wall`).
-        let mut wall: Option<Wall> = None;
-        while let Some(t) = self.queue.q.pop() {
-            let f = &t.f;
-            self.aggregates.observe(f);
-            if f.ids.sampled {
-                if self.spans.capacity() - self.spans.len() < ROOM_PER_REQUEST && self.in_batch > 0
-                {
-                    // Out of the room reserved: sent as it is rather than copied to grow.
-                    self.hand_off(wait).await;
-                }
-                if self.spans.is_empty() {
-                    // Sized like the last batch and at least 2 KiB a span (1 KiB was too
-                    // little for the bench request's spans): a growing batch would be copied at
-                    // each doubling.
-                    let first = self.batch.min(4096) * 2048;
-                    // Never below the first guess: a small batch (a timer's flush of a few
-                    // requests) must not make the next one small too.
-                    self.spans.reserve(self.last_batch.max(first));
-                    self.spans.resize(self.prefix, 0);
-                }
-                let wall = wall.get_or_insert_with(Wall::now);
-                encode_spans(&mut self.blocks, &mut self.spans, f, wall);
-                self.in_batch += spans_of(f);
+    /// Takes every thread's pending work: its metrics into the totals, its spans to the sender
+    /// (`wait`: for room in the outbox, as a flush does, instead of dropping).
+    async fn collect(&mut self, wait: bool) {
+        for p in self.queue.take_all() {
+            if !p.aggregates.is_empty() {
+                self.aggregates.merge(&p.aggregates);
             }
-            if self.in_batch >= self.batch as u64 {
-                self.hand_off(wait).await;
+            if p.in_batch > 0 {
+                let body = self.queue.seal(p.spans);
+                self.send(Out::Spans(body, p.in_batch), wait).await;
             }
         }
-        if wait {
-            self.hand_off(true).await;
-        }
-    }
-
-    /// Writes the request's head in front of the batch's spans and gives it to the sender.
-    async fn hand_off(&mut self, wait: bool) {
-        if self.in_batch == 0 {
-            return;
-        }
-        // ExportTraceServiceRequest.resource_spans = 1: { resource 1, scope_spans 2: { scope 1,
-        // spans 2 } }
-        let spans_len = self.spans.len() - self.prefix;
-        let (res, scope) = (&self.fixed.resource, &self.fixed.scope);
-        let (res_head, rn) = proto::head(1, res.len());
-        let (scope_head, sn) = proto::head(1, scope.len());
-        let scope_spans = sn + scope.len() + spans_len;
-        let (ss_head, ssn) = proto::head(2, scope_spans);
-        let resource_spans = rn + res.len() + ssn + scope_spans;
-        let (rs_head, rsn) = proto::head(1, resource_spans);
-        let mut head = Vec::with_capacity(self.prefix);
-        head.extend_from_slice(&rs_head[..rsn]);
-        head.extend_from_slice(&res_head[..rn]);
-        head.extend_from_slice(res);
-        head.extend_from_slice(&ss_head[..ssn]);
-        head.extend_from_slice(&scope_head[..sn]);
-        head.extend_from_slice(scope);
-        let start = self.prefix - head.len();
-        self.spans[start..self.prefix].copy_from_slice(&head);
-        self.last_batch = self.spans.len() + self.spans.len() / 4;
-        let body = Bytes::from(std::mem::take(&mut self.spans)).slice(start..);
-        let n = std::mem::take(&mut self.in_batch);
-        self.send(Out::Spans(body, n), wait).await;
     }
 
     async fn metrics(&mut self, wait: bool) {
-        let body = self
-            .aggregates
-            .encode(&self.fixed.resource, &self.fixed.scope, now_ns());
+        let body = self.aggregates.encode(
+            &self.queue.fixed.resource,
+            &self.queue.fixed.scope,
+            now_ns(),
+        );
         // Cumulative: an export skipped while the outbox is full is made good by the next.
         self.send(Out::Metrics(Bytes::from(body)), wait).await;
     }
 
     async fn send(&mut self, o: Out, wait: bool) {
         if wait {
-            let _ = self.out.send(o).await;
+            let _ = self.queue.out.send(o).await;
             return;
         }
-        if let Err(mpsc::error::TrySendError::Full(Out::Spans(_, n))) = self.out.try_send(o) {
-            self.full.increment(n);
+        if let Err(mpsc::error::TrySendError::Full(Out::Spans(_, n))) = self.queue.out.try_send(o) {
+            self.queue.full.increment(n);
         }
     }
 }

@@ -9,7 +9,7 @@
 //! series per metric marked `otel.metric.overflow=true`, as the OpenTelemetry spec does.
 
 use super::proto::Writer;
-use super::spans::{AttemptDone, Finished, Outcome};
+use super::spans::{AttemptDone, Decision, Finished, Outcome};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -141,6 +141,27 @@ impl Hist {
         self.min = self.min.min(v);
         self.max = self.max.max(v);
     }
+
+    /// Adds what `other` holds (counts saturate: they come from every request since start).
+    fn merge(&mut self, other: &Hist) {
+        for (b, o) in self.buckets.iter_mut().zip(other.buckets) {
+            *b = b.saturating_add(o);
+        }
+        self.count = self.count.saturating_add(other.count);
+        self.sum += other.sum;
+        self.min = self.min.min(other.min);
+        self.max = self.max.max(other.max);
+    }
+}
+
+impl Group {
+    fn merge(&mut self, other: &Group) {
+        for (h, o) in self.hists.iter_mut().zip(&other.hists) {
+            if let Some(o) = o {
+                h.get_or_insert_with(Hist::new).merge(o);
+            }
+        }
+    }
 }
 
 /// The cumulative aggregates since the exporter started.
@@ -225,8 +246,22 @@ impl Aggregates {
         })
     }
 
+    /// Adds what `other` aggregated (a thread's requests since the export task last took
+    /// them): series by series, past the cap into the overflow series.
+    pub fn merge(&mut self, other: &Aggregates) {
+        for (s, g) in &other.groups {
+            self.group(s.clone()).merge(g);
+        }
+        self.overflow.merge(&other.overflow);
+    }
+
+    /// Whether nothing was recorded.
+    pub fn is_empty(&self) -> bool {
+        self.groups.is_empty() && self.overflow.hists.iter().all(Option::is_none)
+    }
+
     /// Adds what one finished request measured (sampled or not: metrics count every request).
-    pub fn observe(&mut self, f: &Finished) {
+    pub fn observe(&mut self, f: &Finished, d: &Decision<'_>) {
         for a in f.attempts.iter() {
             let served = a.outcome == Outcome::Served;
             let error = match a.outcome {
@@ -236,10 +271,7 @@ impl Aggregates {
                 Outcome::Skipped(_) => Some(ErrorType::Class("skipped")),
             };
             let response_model = if served {
-                f.notes
-                    .model
-                    .as_ref()
-                    .or(f.decision().upstream_model.as_ref())
+                f.notes.model.as_ref().or(d.upstream_model)
             } else {
                 None
             };
@@ -249,7 +281,7 @@ impl Aggregates {
                 g.record(FIRST_CHUNK, s);
             }
             if served {
-                if let Some((input, output)) = f.decision().usage {
+                if let Some((input, output)) = d.usage {
                     g.record_tokens(INPUT, input);
                     g.record_tokens(OUTPUT, output);
                 }

@@ -29,7 +29,7 @@ pub use spans::{is_trace_context, Attempt, RequestTrace, TraceLine};
 use crate::estimate::Endpoint;
 use crate::telemetry::scope;
 use arc_swap::ArcSwapOption;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -96,17 +96,37 @@ pub fn start(headers: &http::HeaderMap, e: Endpoint) -> Option<Box<RequestTrace>
         Endpoint::Completions => ("/v1/completions", "text_completion"),
         Endpoint::Embeddings => ("/v1/embeddings", "embeddings"),
     };
-    // Written into its box: the record (~500 bytes) is not built on the stack and copied.
-    Some(Box::write(
-        Box::new_uninit(),
-        RequestTrace::start(sampler, headers, path, op),
-    ))
+    // The box this thread's last finished trace left behind, started again in place, else a
+    // new one the record is written into (the ~500 bytes not built on the stack and copied).
+    Some(match SPARE.try_with(Cell::take).ok().flatten() {
+        Some(mut b) => {
+            b.restart(sampler, headers, path, op);
+            b
+        }
+        None => Box::write(
+            Box::new_uninit(),
+            RequestTrace::start(sampler, headers, path, op),
+        ),
+    })
 }
 
-/// Queues a finished request for the installed exporter (the one installed now: a reload
+thread_local! {
+    /// The box of the last trace this thread finished, for its next request's trace: a trace
+    /// is recorded where its request ends (see [`export`]), so its box need not be freed there
+    /// and allocated again.
+    static SPARE: Cell<Option<Box<RequestTrace>>> = const { Cell::new(None) };
+}
+
+/// Keeps a finished trace's box for the thread's next request (its contents go when it is
+/// reused: the same work as dropping them now).
+fn keep_box(t: Box<RequestTrace>) {
+    let _ = SPARE.try_with(|s| s.set(Some(t)));
+}
+
+/// Records a finished request with the installed exporter (the one installed now: a reload
 /// that replaced it sends the request with the new one's next batch).
-fn queue(t: Box<RequestTrace>) {
-    let _ = with_current(move |o| o.queue.push(t));
+fn record(f: &spans::Finished, d: &spans::Decision<'_>) {
+    let _ = with_current(|o| o.queue.record(f, d));
 }
 
 /// Builds the exporter from `s` and installs it process-wide (replacing any before it, which

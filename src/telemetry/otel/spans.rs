@@ -181,6 +181,12 @@ impl Attempts {
         Attempt(u32::try_from(self.rest.len()).unwrap_or(u32::MAX))
     }
 
+    /// Forgets every attempt (keeping the room of the later ones).
+    fn clear(&mut self) {
+        self.first = None;
+        self.rest.clear();
+    }
+
     fn slot(&mut self, a: Attempt) -> Option<&mut Slot> {
         match a.0 {
             0 => self.first.as_mut(),
@@ -229,21 +235,21 @@ impl From<Vec<AttemptDone>> for Attempts {
     }
 }
 
-/// The decision record's fields the export needs (copies of small values and `Arc` clones,
-/// not the whole record).
+/// The decision record's fields the export reads, borrowed from the finished record where
+/// the request ends (the spans are encoded there: nothing is copied or cloned).
 #[derive(Debug)]
-pub(crate) struct Decision {
+pub(crate) struct Decision<'a> {
     pub states: States,
     pub http_status: u16,
-    pub route: Arc<str>,
-    pub consumer: Arc<str>,
-    pub team: Option<Arc<str>>,
-    pub policy_version: Arc<str>,
-    pub backend: Arc<str>,
-    pub request_id: Arc<str>,
+    pub route: &'a Arc<str>,
+    pub consumer: &'a Arc<str>,
+    pub team: Option<&'a Arc<str>>,
+    pub policy_version: &'a Arc<str>,
+    pub backend: &'a Arc<str>,
+    pub request_id: &'a Arc<str>,
     /// `None`: the request's own id (a request without a job header is its own job).
-    pub job_id: Option<Arc<str>>,
-    pub upstream_model: Option<Arc<str>>,
+    pub job_id: Option<&'a Arc<str>>,
+    pub upstream_model: Option<&'a Arc<str>>,
     pub requested_output_tokens: u64,
     /// Settled usage, when there is any evidence of it.
     pub usage: Option<(u64, u64)>,
@@ -252,8 +258,8 @@ pub(crate) struct Decision {
     pub attempts: usize,
 }
 
-impl Decision {
-    fn of(rec: &Record) -> Decision {
+impl<'a> Decision<'a> {
+    pub(crate) fn of(rec: &'a Record) -> Decision<'a> {
         Decision {
             states: States {
                 final_action: rec.final_action,
@@ -266,14 +272,14 @@ impl Decision {
                 fallback: rec.fallback_state,
             },
             http_status: rec.http_status,
-            route: rec.route.clone(),
-            consumer: rec.consumer_id.clone(),
-            team: rec.team.clone(),
-            policy_version: rec.policy_version.clone(),
-            backend: rec.backend.clone(),
-            request_id: rec.request_id.clone(),
-            job_id: (!Arc::ptr_eq(&rec.job_id, &rec.request_id)).then(|| rec.job_id.clone()),
-            upstream_model: rec.upstream_model.clone(),
+            route: &rec.route,
+            consumer: &rec.consumer_id,
+            team: rec.team.as_ref(),
+            policy_version: &rec.policy_version,
+            backend: &rec.backend,
+            request_id: &rec.request_id,
+            job_id: (!Arc::ptr_eq(&rec.job_id, &rec.request_id)).then_some(&rec.job_id),
+            upstream_model: rec.upstream_model.as_ref(),
             requested_output_tokens: rec.requested_output_tokens,
             usage: (rec.usage_evidence_state != UsageEvidence::None)
                 .then_some((rec.actual_input_tokens, rec.actual_output_tokens)),
@@ -284,8 +290,8 @@ impl Decision {
     }
 
     /// `tollgate.job_id`.
-    pub fn job_id(&self) -> &str {
-        self.job_id.as_deref().unwrap_or(&self.request_id)
+    pub fn job_id(&self) -> &'a str {
+        self.job_id.unwrap_or(self.request_id)
     }
 
     /// `tollgate.reason_class`.
@@ -365,42 +371,9 @@ pub(crate) struct Finished {
     pub path: &'static str,
     pub notes: Notes,
     pub attempts: Attempts,
-    /// Set when the request ends.
-    pub decision: Option<Decision>,
 }
 
-/// What a record still without its decision reads (never exported: a trace is queued only
-/// once its decision is set).
-static PENDING: std::sync::LazyLock<Decision> = std::sync::LazyLock::new(|| {
-    let empty: Arc<str> = Arc::from("");
-    Decision {
-        states: States::default(),
-        http_status: 0,
-        route: empty.clone(),
-        consumer: empty.clone(),
-        team: None,
-        policy_version: empty.clone(),
-        backend: empty.clone(),
-        request_id: empty,
-        job_id: None,
-        upstream_model: None,
-        requested_output_tokens: 0,
-        usage: None,
-        cache_write_tokens: 0,
-        cost_usd: 0.0,
-        attempts: 0,
-    }
-});
-
 impl Finished {
-    /// The request's decision.
-    pub fn decision(&self) -> &Decision {
-        match &self.decision {
-            Some(d) => d,
-            None => &PENDING,
-        }
-    }
-
     /// The attempt that served, if one did: the last, ended with the request.
     pub fn served(&self) -> Option<&AttemptDone> {
         self.attempts
@@ -426,34 +399,44 @@ impl RequestTrace {
         path: &'static str,
         op: &'static str,
     ) -> Self {
-        let start = mono_ns();
-        let caller: Option<Parent> =
-            header(headers, &TRACEPARENT).and_then(|v| context::parse_traceparent(v.as_bytes()));
-        let trace_id = caller.map_or_else(context::trace_id, |p| p.trace_id);
-        let sampled = sampler.keeps(&trace_id, caller.as_ref());
-        let tracestate = match caller {
-            Some(_) => header(headers, &TRACESTATE).cloned(),
-            None => None,
-        };
+        let (ids, parent, start) = begin(sampler, headers);
         RequestTrace {
             f: Finished {
-                ids: TraceIds {
-                    trace_id,
-                    sampled,
-                    tracestate,
-                },
+                ids,
                 span_id: context::span_id(),
-                parent: caller.map(|p| p.span_id),
+                parent,
                 start,
                 end: start,
                 op,
                 path,
                 notes: Notes::default(),
                 attempts: Attempts::default(),
-                decision: None,
             },
             served: None,
         }
+    }
+
+    /// Starts a new request's trace in the place of this finished one (its box reused), each
+    /// field written where it is: the record is not built elsewhere and copied in.
+    pub(super) fn restart(
+        &mut self,
+        sampler: Sampler,
+        headers: &http::HeaderMap,
+        path: &'static str,
+        op: &'static str,
+    ) {
+        let (ids, parent, start) = begin(sampler, headers);
+        let f = &mut self.f;
+        f.ids = ids;
+        f.span_id = context::span_id();
+        f.parent = parent;
+        f.start = start;
+        f.end = start;
+        f.op = op;
+        f.path = path;
+        f.notes = Notes::default();
+        f.attempts.clear();
+        self.served = None;
     }
 
     pub(super) fn attempt(&mut self, spec: &CallSpec<'_>) -> Attempt {
@@ -513,22 +496,43 @@ impl RequestTrace {
         self.f.notes.scan(data, self.f.ids.sampled);
     }
 
-    /// Ends the served attempt and the server span with the decision, and queues the lot for
-    /// export (dropped and counted when the queue is full). The box is queued as it is.
+    /// Ends the served attempt and the server span with the decision, and records the lot
+    /// for export on this thread (its spans encoded into the thread's batch, its metrics into
+    /// the thread's aggregates: see [`super::export`]).
     pub fn finish(mut self: Box<Self>, entry: &Entry) {
-        self.close(entry);
-        super::queue(self);
+        self.close();
+        super::record(&self.f, &Decision::of(&entry.record));
+        super::keep_box(self);
     }
 
-    /// Ends the served attempt and the server span with the decision.
-    fn close(&mut self, entry: &Entry) {
+    /// Ends the served attempt and the server span.
+    fn close(&mut self) {
         let end = mono_ns();
         self.f.end = end;
         if let Some(s) = self.served.and_then(|a| self.f.attempts.slot(a)) {
             s.done.end = end;
         }
-        self.f.decision = Some(Decision::of(&entry.record));
     }
+}
+
+/// A new trace's ids (the caller's trace continued, when it sent one), its parent and its start.
+#[inline(always)]
+fn begin(sampler: Sampler, headers: &http::HeaderMap) -> (TraceIds, Option<[u8; 8]>, u64) {
+    let start = mono_ns();
+    let caller: Option<Parent> =
+        header(headers, &TRACEPARENT).and_then(|v| context::parse_traceparent(v.as_bytes()));
+    let trace_id = caller.map_or_else(context::trace_id, |p| p.trace_id);
+    let sampled = sampler.keeps(&trace_id, caller.as_ref());
+    let tracestate = match caller {
+        Some(_) => header(headers, &TRACESTATE).cloned(),
+        None => None,
+    };
+    let ids = TraceIds {
+        trace_id,
+        sampled,
+        tracestate,
+    };
+    (ids, caller.map(|p| p.span_id), start)
 }
 
 /// A request header's first value. Most requests carry no trace context: whether the name is
@@ -615,7 +619,7 @@ impl Attempt {
 #[cfg(test)]
 mod tests {
     use super::{context::Sampler, Attempt, Outcome, RequestTrace};
-    use crate::governor::{CallSpec, Record};
+    use crate::governor::CallSpec;
     use std::sync::Arc;
 
     #[test]
@@ -634,19 +638,6 @@ mod tests {
             max_output_tokens: 10,
             attempt,
             probe: false,
-        };
-        let entry = crate::audit::Entry {
-            ts: String::new(),
-            endpoint: "chat.completions",
-            api: "openai",
-            latency_ms: 0.0,
-            record: Record::new(
-                Arc::from("v"),
-                Arc::from("r"),
-                Arc::from("j"),
-                Arc::from("c"),
-                Arc::from("chat"),
-            ),
         };
         let mut t = RequestTrace::start(
             Sampler::AlwaysOn,
@@ -668,7 +659,7 @@ mod tests {
         // A handle of no attempt of this trace changes nothing.
         t.end_attempt(Attempt(9), Outcome::Served);
         std::thread::sleep(std::time::Duration::from_millis(2));
-        t.close(&entry);
+        t.close();
         let ended: Vec<(u32, Outcome)> =
             t.f.attempts
                 .iter()
