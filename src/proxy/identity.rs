@@ -115,9 +115,9 @@ thread_local! {
 
 /// The consumer id `s`, sharing the `Arc` this thread made for the last one when it is the
 /// same text. Requests come from a few consumers, mostly the same one in a row: a shared id
-/// saves an allocation here and its free where the record is dropped last (the audit or the
-/// export task's thread, the allocator's slower cross-thread path), and the trace export finds
-/// it equal by address. One id per thread is kept, whatever the callers send.
+/// saves an allocation here and its free where the record is dropped last (the audit
+/// writer's thread, the allocator's slower cross-thread path), and the trace export finds it
+/// equal by address. One id per thread is kept, whatever the callers send.
 fn consumer_id(s: &str) -> Arc<str> {
     LAST_CONSUMER.with(|last| {
         let Ok(mut last) = last.try_borrow_mut() else {

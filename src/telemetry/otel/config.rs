@@ -35,11 +35,12 @@ pub struct Settings {
     /// `OTEL_EXPORTER_OTLP_HEADERS` (and the per-signal variables' are not read): sent with
     /// every export, marked sensitive, never logged.
     pub headers: Vec<(http::HeaderName, http::HeaderValue)>,
-    /// Bounded span queue (`OTEL_BSP_MAX_QUEUE_SIZE`, default 2048).
+    /// Most spans waiting for the sender, in whole batches (`OTEL_BSP_MAX_QUEUE_SIZE`, default
+    /// 2048); each thread's batch being filled is on top of it.
     pub queue: usize,
     /// Spans per export (`OTEL_BSP_MAX_EXPORT_BATCH_SIZE`, default 512).
     pub batch: usize,
-    /// Longest a span waits in the queue (`OTEL_BSP_SCHEDULE_DELAY`, ms, default 5000).
+    /// Longest a span waits in its thread's batch (`OTEL_BSP_SCHEDULE_DELAY`, ms, default 5000).
     pub schedule_delay: Duration,
     /// One export, retries included (`OTEL_EXPORTER_OTLP_TIMEOUT`, ms, default 10000).
     pub timeout: Duration,

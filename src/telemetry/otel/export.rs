@@ -1,13 +1,16 @@
-//! The way out: the finished-request queue, the export task that turns it into OTLP (spans
-//! in batches, metrics every interval), and the task that posts to the collector over our own
-//! hyper + rustls stack.
+//! The way out: each thread's batch of encoded spans and its metrics, the export task that
+//! takes them (spans every schedule delay, metrics every interval), and the task that posts to
+//! the collector over our own hyper + rustls stack.
 //!
-//! The request path only ever pushes a finished request's boxed trace (its [`Finished`]
-//! record) into a fixed-size lock-free queue: when the queue is full the record is dropped and
-//! its spans counted. Nothing on the request path wakes a task: the export task drains the
-//! queue every schedule delay, or sooner when a batch's worth is waiting. It never waits on the network either: encoded exports go to the
-//! sender task through a short channel, and when that is full (the collector is slow or down)
-//! the batch is dropped and counted. Each post is bounded by the timeout, with no retries.
+//! A finished request is recorded on the thread where it ended ([`SpanQueue::record`]): its
+//! spans encoded into the thread's batch and its metrics added to the thread's aggregates, so
+//! nothing per request crosses to another thread (no record to queue, copy or free
+//! elsewhere). The thread keeps that work in a slot of its own, which it takes and puts back
+//! around each request and the export task takes every schedule delay: one atomic swap of a
+//! pointer each, never a lock, and nothing on the request path wakes a task. A batch that
+//! fills goes to the sender task from the thread, through a short channel; when that is full
+//! (the collector is slow or down) the batch is dropped and its spans counted. Nothing waits
+//! on the network: each post is bounded by the timeout, with no retries.
 
 use super::config::{Protocol, Settings};
 use super::encode::{encode_spans, Blocks};
@@ -30,9 +33,6 @@ use tokio::sync::{mpsc, oneshot};
 
 /// Largest collector answer read (it is a small protobuf status).
 const MAX_ANSWER: usize = 64 * 1024;
-
-/// Encoded exports waiting for the sender (each up to a batch of spans, or one metric export).
-const OUTBOX: usize = 4;
 
 /// The exporter's HTTP client: hyper with the rustls connector the upstream calls use.
 #[derive(Clone)]
@@ -201,6 +201,18 @@ thread_local! {
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 impl SpanQueue {
+    fn new(fixed: Fixed, batch: usize, out: mpsc::Sender<Out>) -> SpanQueue {
+        SpanQueue {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            out,
+            prefix: fixed.resource.len() + fixed.scope.len() + 32,
+            fixed,
+            batch: batch.max(1),
+            slots: Mutex::new(Vec::new()),
+            full: metrics::counter!(TOLLGATE_OTEL_DROPPED_SPANS_TOTAL, "reason" => "queue_full"),
+        }
+    }
+
     /// Records a finished request where it ended: its metrics into the thread's aggregates
     /// and, when sampled, its spans encoded into the thread's batch, which goes to the sender
     /// once full (dropped and counted when the sender's outbox is full). Nothing is queued per
@@ -341,16 +353,10 @@ pub(super) fn start(s: &Settings, fixed: Fixed) -> Result<(Arc<SpanQueue>, Contr
         .map_err(|_| "no Tokio runtime to export from".to_string())?;
     let traces: Uri = s.traces_endpoint.parse().map_err(|e| format!("{e}"))?;
     let metrics_url: Uri = s.metrics_endpoint.parse().map_err(|e| format!("{e}"))?;
-    let (out_tx, out_rx) = mpsc::channel(OUTBOX);
-    let queue = Arc::new(SpanQueue {
-        id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-        out: out_tx,
-        prefix: fixed.resource.len() + fixed.scope.len() + 32,
-        fixed,
-        batch: s.batch.max(1),
-        slots: Mutex::new(Vec::new()),
-        full: metrics::counter!(TOLLGATE_OTEL_DROPPED_SPANS_TOTAL, "reason" => "queue_full"),
-    });
+    // Encoded exports waiting for the sender, each up to a batch of spans (or one metric
+    // export): as many batches as the queue size holds.
+    let (out_tx, out_rx) = mpsc::channel((s.queue / s.batch.max(1)).max(1));
+    let queue = Arc::new(SpanQueue::new(fixed, s.batch, out_tx));
     let (ctl_tx, ctl_rx) = mpsc::channel(4);
     let sender = Sender {
         client: HyperClient::new(s.timeout, s.protocol),
@@ -498,5 +504,138 @@ impl Sender {
             }
             _ => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::context::Sampler;
+    use super::super::spans::{Decision, Outcome, RequestTrace};
+    use super::{Fixed, Out, SpanQueue};
+    use crate::governor::{CallSpec, Record};
+    use std::sync::Arc;
+    use tokio::sync::mpsc;
+
+    /// A queue whose sender's outbox holds `outbox` exports, its receiving end, and a served
+    /// request's trace (a server span and one attempt's) with its record.
+    fn setup(batch: usize, outbox: usize) -> (Arc<SpanQueue>, mpsc::Receiver<Out>) {
+        let (tx, rx) = mpsc::channel(outbox);
+        let (mut resource, mut scope) = (Vec::new(), Vec::new());
+        super::proto::Writer(&mut resource).attr_str(1, "service.name", "t");
+        super::proto::Writer(&mut scope).string(1, "tollgate");
+        let fixed = Fixed { resource, scope };
+        (Arc::new(SpanQueue::new(fixed, batch, tx)), rx)
+    }
+
+    fn request() -> (Box<RequestTrace>, Record) {
+        let p = crate::policy::from_str(
+            "version: v\nbackends:\n  - {id: b, kind: openai, base_url: 'http://h:9/v1'}\nroutes:\n  - model: chat\n    chain: [{backend: b, model: m}]\n",
+            "p.yaml",
+        )
+        .unwrap();
+        let model: Arc<str> = Arc::from("m");
+        let mut t = Box::new(RequestTrace::start(
+            Sampler::AlwaysOn,
+            &http::HeaderMap::new(),
+            "/v1/chat/completions",
+            "chat",
+        ));
+        let a = t.attempt(&CallSpec {
+            backend: &p.backends[0],
+            backend_index: 0,
+            model: &model,
+            output_cap_field: None,
+            max_output_tokens: 10,
+            attempt: 1,
+            probe: false,
+        });
+        t.end_attempt(a, Outcome::Served);
+        let mut rec = Record::new(
+            Arc::from("v"),
+            Arc::from("r"),
+            Arc::from("r"),
+            Arc::from("c"),
+            Arc::from("chat"),
+        );
+        rec.backend = Arc::from("b");
+        (t, rec)
+    }
+
+    /// Decodes a trace export and counts its spans.
+    fn spans_in(body: &[u8]) -> usize {
+        use prost::Message;
+        let req =
+            opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest::decode(
+                body,
+            )
+            .unwrap();
+        let rs = &req.resource_spans[0];
+        assert_eq!(rs.scope_spans[0].scope.as_ref().unwrap().name, "tollgate");
+        rs.scope_spans.iter().map(|s| s.spans.len()).sum()
+    }
+
+    #[test]
+    fn a_threads_pending_work_is_taken_after_the_thread_ended_and_its_slot_forgotten() {
+        let (q, _rx) = setup(512, 4);
+        let (t, rec) = request();
+        let on_thread = q.clone();
+        std::thread::spawn(move || {
+            for _ in 0..3 {
+                on_thread.record(&t.f, &Decision::of(&rec));
+            }
+        })
+        .join()
+        .unwrap();
+        // This thread records too, and lives on.
+        let (t, rec) = request();
+        q.record(&t.f, &Decision::of(&rec));
+        assert_eq!(super::lock(&q.slots).len(), 2);
+        let mut taken = q.take_all();
+        taken.sort_by_key(|p| p.in_batch);
+        // Each request: its server span and its attempt's.
+        assert_eq!(taken.iter().map(|p| p.in_batch).collect::<Vec<_>>(), [2, 6]);
+        assert!(taken.iter().all(|p| !p.aggregates.is_empty()));
+        // The ended thread's slot is gone; this thread's stays, empty until it records again.
+        assert_eq!(super::lock(&q.slots).len(), 1);
+        assert!(q.take_all().is_empty());
+        q.record(&t.f, &Decision::of(&rec));
+        assert_eq!(q.take_all().len(), 1);
+        // What was taken is a whole export.
+        let p = taken.pop().unwrap();
+        assert_eq!(spans_in(&q.seal(p.spans)), 6);
+    }
+
+    #[test]
+    fn a_full_batch_goes_to_the_sender_from_the_thread_and_a_full_outbox_drops_it() {
+        // A batch of two spans (one request's); an outbox of one export.
+        let (q, mut rx) = setup(2, 1);
+        let (t, rec) = request();
+        q.record(&t.f, &Decision::of(&rec));
+        let Ok(Out::Spans(body, n)) = rx.try_recv() else {
+            panic!("the full batch was not handed to the sender");
+        };
+        assert_eq!((n, spans_in(&body)), (2, 2));
+        // The outbox is full after the next; the one after is dropped, and nothing is left
+        // pending.
+        q.record(&t.f, &Decision::of(&rec));
+        q.record(&t.f, &Decision::of(&rec));
+        assert!(matches!(rx.try_recv(), Ok(Out::Spans(_, 2))));
+        assert!(rx.try_recv().is_err());
+        assert!(q.take_all().iter().all(|p| p.in_batch == 0));
+    }
+
+    #[test]
+    fn an_exporter_installed_after_another_gets_its_own_slot_on_each_thread() {
+        let (a, _ra) = setup(512, 4);
+        let (b, _rb) = setup(512, 4);
+        let (t, rec) = request();
+        a.record(&t.f, &Decision::of(&rec));
+        b.record(&t.f, &Decision::of(&rec));
+        // The thread moved to `b`: `a`'s slot is left with what was recorded there, for `a`
+        // to take (and then forget); `b` has its own.
+        let from_a = a.take_all();
+        assert_eq!(from_a.iter().map(|p| p.in_batch).sum::<u64>(), 2);
+        assert!(super::lock(&a.slots).is_empty());
+        assert_eq!(b.take_all().iter().map(|p| p.in_batch).sum::<u64>(), 2);
     }
 }

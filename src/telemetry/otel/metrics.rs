@@ -1,5 +1,6 @@
-//! The GenAI client metrics, aggregated in the export task from the finished requests (the
-//! request path records nothing itself) and written as cumulative OTLP histograms.
+//! The GenAI client metrics, aggregated per thread from the requests that ended there (no
+//! shared counter is touched per request), added up by the export task ([`Aggregates::merge`])
+//! and written as cumulative OTLP histograms.
 //!
 //! `gen_ai.client.token.usage` (`{token}`, per `gen_ai.token.type`),
 //! `gen_ai.client.operation.duration` (`s`, one per upstream attempt) and
@@ -502,5 +503,58 @@ mod tests {
             .map(|(_, g)| g.hists[DURATION].as_ref().unwrap().count)
             .collect();
         assert_eq!(counts, [4, 1, 1, 1]);
+    }
+
+    #[test]
+    fn threads_aggregates_merged_equal_one_aggregate_of_everything() {
+        let attempt = |model: &Arc<str>| AttemptDone {
+            span_id: [1; 8],
+            start: 1,
+            end: 2,
+            backend: Arc::from("b"),
+            provider: "openai",
+            model: model.clone(),
+            base_url: Arc::from("http://x"),
+            max_tokens: 1,
+            attempt: 0,
+            probe: false,
+            first_chunk: None,
+            outcome: Outcome::Served,
+        };
+        let (m1, m2) = (Arc::from("m1"), Arc::from("m2"));
+        // What two threads recorded, in order: (model, error, duration, tokens).
+        let first = [
+            (&m1, None, 0.5, 10),
+            (&m2, None, 1.0, 300),
+            (&m1, None, 2.0, 7),
+        ];
+        let second = [
+            (&m2, None, 0.25, 5),
+            (&m1, Some(ErrorType::Status(503)), 4.0, 0),
+        ];
+        let record = |a: &mut Aggregates, rows: &[(&Arc<str>, Option<ErrorType>, f64, u64)]| {
+            for (m, e, secs, tokens) in rows {
+                let g = a.group_of("chat", &attempt(m), None, *e);
+                g.record(DURATION, *secs);
+                g.record_tokens(INPUT, *tokens);
+            }
+        };
+        let mut all = Aggregates::new(1);
+        record(&mut all, &first);
+        record(&mut all, &second);
+        let (mut a, mut b) = (Aggregates::new(0), Aggregates::new(0));
+        record(&mut a, &first);
+        record(&mut b, &second);
+        let mut merged = Aggregates::new(1);
+        assert!(merged.is_empty());
+        merged.merge(&a);
+        merged.merge(&b);
+        assert!(!merged.is_empty());
+        assert_eq!(format!("{:?}", merged.groups), format!("{:?}", all.groups));
+        assert_eq!(merged.encode(&[], &[], 5), all.encode(&[], &[], 5));
+        // Merged again (the next interval's), the counts add up.
+        merged.merge(&a);
+        let g = &merged.groups[0].1;
+        assert_eq!(g.hists[DURATION].as_ref().unwrap().count, 4);
     }
 }

@@ -5,9 +5,10 @@
 //!
 //! Off unless an OTLP endpoint is configured (`OTEL_EXPORTER_OTLP_ENDPOINT` or the policy's
 //! `telemetry.otlp.endpoint`). Off costs one relaxed atomic load per request: the request path
-//! checks [`enabled`] before anything else. On, spans go into a bounded queue that a
-//! background task drains ([`export`]); a full queue or a failed export drops spans and counts
-//! them in `tollgate_otel_dropped_spans_total`, never slowing or failing a request.
+//! checks [`enabled`] before anything else. On, a finished request's spans are encoded into
+//! its thread's batch, which a background task takes every schedule delay ([`export`]); a
+//! full outbox or a failed export drops spans and counts them in
+//! `tollgate_otel_dropped_spans_total`, never slowing or failing a request.
 //!
 //! The request's trace lives in the request task's scope ([`crate::telemetry::scope`]) for the
 //! duration of the governed call, so the transport starts its attempt spans under it without
@@ -29,13 +30,13 @@ pub use spans::{is_trace_context, Attempt, RequestTrace, TraceLine};
 use crate::estimate::Endpoint;
 use crate::telemetry::scope;
 use arc_swap::ArcSwapOption;
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// The installed exporter: the sampler, the finished-request queue and the export task's
-/// control.
+/// The installed exporter: the sampler, the threads' end of the export (see
+/// [`export::SpanQueue`]) and the export task's control.
 pub struct Otel {
     sampler: Sampler,
     queue: Arc<export::SpanQueue>,
@@ -96,9 +97,13 @@ pub fn start(headers: &http::HeaderMap, e: Endpoint) -> Option<Box<RequestTrace>
         Endpoint::Completions => ("/v1/completions", "text_completion"),
         Endpoint::Embeddings => ("/v1/embeddings", "embeddings"),
     };
-    // The box this thread's last finished trace left behind, started again in place, else a
+    // A box a finished trace of this thread's left behind, started again in place, else a
     // new one the record is written into (the ~500 bytes not built on the stack and copied).
-    Some(match SPARE.try_with(Cell::take).ok().flatten() {
+    let spare = SPARE
+        .try_with(|s| s.try_borrow_mut().ok()?.pop())
+        .ok()
+        .flatten();
+    Some(match spare {
         Some(mut b) => {
             b.restart(sampler, headers, path, op);
             b
@@ -110,17 +115,29 @@ pub fn start(headers: &http::HeaderMap, e: Endpoint) -> Option<Box<RequestTrace>
     })
 }
 
+/// Boxes of finished traces a thread keeps for its next requests' (as many as it may have
+/// requests ending between two that start, under load).
+const SPARES: usize = 8;
+
 thread_local! {
-    /// The box of the last trace this thread finished, for its next request's trace: a trace
-    /// is recorded where its request ends (see [`export`]), so its box need not be freed there
-    /// and allocated again.
-    static SPARE: Cell<Option<Box<RequestTrace>>> = const { Cell::new(None) };
+    /// The boxes of the last traces this thread finished, for its next requests' traces: a
+    /// trace is recorded where its request ends (see [`export`]), so its box need not be
+    /// freed there and allocated again. Boxes, not values: each goes on as the box its
+    /// request's scope holds.
+    #[allow(clippy::vec_box)]
+    static SPARE: RefCell<Vec<Box<RequestTrace>>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Keeps a finished trace's box for the thread's next request (its contents go when it is
-/// reused: the same work as dropping them now).
+/// Keeps a finished trace's box for one of the thread's next requests (its contents go when
+/// it is reused: the same work as dropping them now).
 fn keep_box(t: Box<RequestTrace>) {
-    let _ = SPARE.try_with(|s| s.set(Some(t)));
+    let _ = SPARE.try_with(|s| {
+        if let Ok(mut s) = s.try_borrow_mut() {
+            if s.len() < SPARES {
+                s.push(t);
+            }
+        }
+    });
 }
 
 /// Records a finished request with the installed exporter (the one installed now: a reload

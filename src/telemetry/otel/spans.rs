@@ -1,17 +1,18 @@
-//! The spans of one governed request, kept as compact records on the request path and turned
-//! into OTLP only by the export task ([`super::export`]).
+//! The spans of one governed request, kept as compact records while it runs and turned into
+//! OTLP when it ends, on the thread where it ended ([`super::export`]).
 //!
 //! Server span (`SERVER`, `{operation} {route}`): from the handler's start to the end of the
 //! answer (a stream's last byte), with the decision record's fields. Client spans (`CLIENT`),
 //! one per upstream attempt: a failed or skipped attempt ends when it fails; the served one
 //! ends with the request, carrying the usage, the response model and the finish reasons.
 //!
-//! What the request path does per request: parse the caller's `traceparent`, make ids, read
-//! the monotonic clock once per event as plain nanoseconds (the export task places them on the
-//! wall clock, which it reads once a batch), write one `traceparent` per
-//! attempt, note what the answer says of itself, and queue the trace's box, which holds the
-//! [`Finished`] record (a lock-free push of a pointer, no wake-up). Attributes, names,
-//! protobuf and metric aggregation all happen in the export task.
+//! What the request path does while the request runs: parse the caller's `traceparent`, make
+//! ids, read the monotonic clock once per event as plain nanoseconds (placed on the wall clock
+//! at encoding, which reads it once a batch), write one `traceparent` per attempt, and note
+//! what the answer says of itself. Attributes, names, protobuf and metric aggregation happen
+//! once it has been answered (after the answer's last byte went out), reading the decision
+//! from the finished record ([`Decision`]: borrowed, not copied); the trace's box is then kept
+//! for the thread's next request.
 
 use super::context::{self, Parent, Sampler};
 use super::notes::Notes;
@@ -53,7 +54,7 @@ pub(crate) fn secs_between(start: u64, end: u64) -> f64 {
 }
 
 /// The wall clock at one monotonic reading, which places the others on it: the request path
-/// reads only the monotonic clock, and the export task reads the wall clock once a batch.
+/// reads only the monotonic clock, and the wall clock is read once a batch.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Wall {
     ns: u64,
@@ -88,7 +89,7 @@ pub(crate) struct TraceIds {
 }
 
 /// One governed request's trace: its server span and its attempts, kept in the record the
-/// export task reads (the trace is boxed once, and the box itself is queued at the end).
+/// encoding reads (the trace is boxed once, and the box is kept for the thread's next request).
 pub struct RequestTrace {
     pub(super) f: Finished,
     /// The served attempt, open until the request ends.
@@ -121,7 +122,7 @@ pub(crate) enum Outcome {
     Skipped(&'static str),
 }
 
-/// An attempt's record, as the export task reads it (`end` and `outcome` are set when it
+/// An attempt's record, as the encoding reads it (`end` and `outcome` are set when it
 /// ends).
 #[derive(Debug)]
 pub(crate) struct AttemptDone {
@@ -132,7 +133,7 @@ pub(crate) struct AttemptDone {
     pub backend: Arc<str>,
     pub provider: &'static str,
     pub model: Arc<str>,
-    /// The backend's base URL (its host and port become `server.*` in the export task).
+    /// The backend's base URL (its host and port become `server.*` when encoded).
     pub base_url: Arc<str>,
     pub max_tokens: u64,
     pub attempt: u32,
@@ -358,7 +359,7 @@ pub(crate) const STATE_KEYS: [&str; 8] = [
     "tollgate.fallback_state",
 ];
 
-/// A finished request, queued for the export task.
+/// A finished request, as the encoding reads it.
 #[derive(Debug)]
 pub(crate) struct Finished {
     pub ids: TraceIds,
@@ -677,5 +678,59 @@ mod tests {
             .first_chunk
             .is_some_and(|c| c >= served.start && c < served.end));
         assert!(t.f.attempts.iter().next().unwrap().end < served.end);
+    }
+
+    #[test]
+    fn a_trace_started_again_in_its_box_keeps_nothing_of_the_last() {
+        let p = crate::policy::from_str(
+            "version: v\nbackends:\n  - {id: b, kind: openai, base_url: 'http://h:9/v1'}\nroutes:\n  - model: chat\n    chain: [{backend: b, model: m}]\n",
+            "p.yaml",
+        )
+        .unwrap();
+        let model: Arc<str> = Arc::from("m");
+        let spec = |attempt| CallSpec {
+            backend: &p.backends[0],
+            backend_index: 0,
+            model: &model,
+            output_cap_field: None,
+            max_output_tokens: 10,
+            attempt,
+            probe: false,
+        };
+        let mut caller = http::HeaderMap::new();
+        caller.insert(
+            "traceparent",
+            http::HeaderValue::from_static(
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            ),
+        );
+        caller.insert("tracestate", http::HeaderValue::from_static("k=v"));
+        let mut t = RequestTrace::start(Sampler::AlwaysOn, &caller, "/v1/chat/completions", "chat");
+        let (a, b) = (t.attempt(&spec(1)), t.attempt(&spec(2)));
+        t.end_attempt(a, Outcome::Failed("5xx", Some(503)));
+        t.end_attempt(b, Outcome::Served);
+        t.chunk(br#"{"model":"resp","choices":[{"finish_reason":"stop"}],"usage":{"prompt_tokens_details":{"cached_tokens":3}}}"#);
+        assert!(t.f.notes.model.is_some() && !t.f.notes.finish.is_empty());
+        t.close();
+        let old = (t.f.ids.trace_id, t.f.span_id);
+        t.restart(
+            Sampler::AlwaysOn,
+            &http::HeaderMap::new(),
+            "/v1/embeddings",
+            "embeddings",
+        );
+        let f = &t.f;
+        assert_ne!((f.ids.trace_id, f.span_id), old);
+        assert!(f.ids.tracestate.is_none() && f.parent.is_none());
+        assert_eq!(
+            (f.op, f.path, f.end),
+            ("embeddings", "/v1/embeddings", f.start)
+        );
+        assert_eq!(f.attempts.len(), 0);
+        assert!(f.notes.model.is_none() && f.notes.finish.is_empty() && f.notes.cached.is_none());
+        assert!(t.served.is_none());
+        // Its attempts start over at the first place.
+        assert_eq!(t.attempt(&spec(1)), Attempt(0));
+        assert_eq!(t.f.attempts.len(), 0, "open until it ends");
     }
 }
