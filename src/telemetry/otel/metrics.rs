@@ -464,9 +464,9 @@ mod tests {
         assert!(memchr::memmem::find(&body, b"otel.metric.overflow").is_some());
     }
 
-    #[test]
-    fn the_last_series_shortcut_never_mixes_series() {
-        let attempt = |model: &Arc<str>| AttemptDone {
+    /// A served attempt at `model`.
+    fn attempt(model: &Arc<str>) -> AttemptDone {
+        AttemptDone {
             span_id: [1; 8],
             start: 1,
             end: 2,
@@ -479,7 +479,11 @@ mod tests {
             probe: false,
             first_chunk: None,
             outcome: Outcome::Served,
-        };
+        }
+    }
+
+    #[test]
+    fn the_last_series_shortcut_never_mixes_series() {
         let (m1, m1_again, m2) = (Arc::from("m1"), Arc::from("m1"), Arc::from("m2"));
         let r: Arc<str> = Arc::from("resp");
         let mut a = Aggregates::new(1);
@@ -507,20 +511,6 @@ mod tests {
 
     #[test]
     fn threads_aggregates_merged_equal_one_aggregate_of_everything() {
-        let attempt = |model: &Arc<str>| AttemptDone {
-            span_id: [1; 8],
-            start: 1,
-            end: 2,
-            backend: Arc::from("b"),
-            provider: "openai",
-            model: model.clone(),
-            base_url: Arc::from("http://x"),
-            max_tokens: 1,
-            attempt: 0,
-            probe: false,
-            first_chunk: None,
-            outcome: Outcome::Served,
-        };
         let (m1, m2) = (Arc::from("m1"), Arc::from("m2"));
         // What two threads recorded, in order: (model, error, duration, tokens).
         let first = [

@@ -621,25 +621,36 @@ impl Attempt {
 mod tests {
     use super::{context::Sampler, Attempt, Outcome, RequestTrace};
     use crate::governor::CallSpec;
+    use crate::policy::Policy;
     use std::sync::Arc;
 
-    #[test]
-    fn attempts_keep_their_order_and_one_left_open_is_not_exported() {
+    /// A policy of one backend, and the model its route calls.
+    fn policy() -> (Policy, Arc<str>) {
         let p = crate::policy::from_str(
             "version: v\nbackends:\n  - {id: b, kind: openai, base_url: 'http://h:9/v1'}\nroutes:\n  - model: chat\n    chain: [{backend: b, model: m}]\n",
             "p.yaml",
         )
         .unwrap();
-        let model: Arc<str> = Arc::from("m");
-        let spec = |attempt| CallSpec {
+        (p, Arc::from("m"))
+    }
+
+    /// Attempt number `attempt` of the policy's one backend.
+    fn spec<'a>(p: &'a Policy, model: &'a Arc<str>, attempt: u32) -> CallSpec<'a> {
+        CallSpec {
             backend: &p.backends[0],
             backend_index: 0,
-            model: &model,
+            model,
             output_cap_field: None,
             max_output_tokens: 10,
             attempt,
             probe: false,
-        };
+        }
+    }
+
+    #[test]
+    fn attempts_keep_their_order_and_one_left_open_is_not_exported() {
+        let (p, model) = policy();
+        let spec = |attempt| spec(&p, &model, attempt);
         let mut t = RequestTrace::start(
             Sampler::AlwaysOn,
             &http::HeaderMap::new(),
@@ -682,21 +693,8 @@ mod tests {
 
     #[test]
     fn a_trace_started_again_in_its_box_keeps_nothing_of_the_last() {
-        let p = crate::policy::from_str(
-            "version: v\nbackends:\n  - {id: b, kind: openai, base_url: 'http://h:9/v1'}\nroutes:\n  - model: chat\n    chain: [{backend: b, model: m}]\n",
-            "p.yaml",
-        )
-        .unwrap();
-        let model: Arc<str> = Arc::from("m");
-        let spec = |attempt| CallSpec {
-            backend: &p.backends[0],
-            backend_index: 0,
-            model: &model,
-            output_cap_field: None,
-            max_output_tokens: 10,
-            attempt,
-            probe: false,
-        };
+        let (p, model) = policy();
+        let spec = |attempt| spec(&p, &model, attempt);
         let mut caller = http::HeaderMap::new();
         caller.insert(
             "traceparent",

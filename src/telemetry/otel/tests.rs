@@ -178,8 +178,8 @@ fn notes_read_model_finish_reasons_and_cached_tokens() {
 }
 
 /// Cost of the span path for one governed request with export on: server span, one attempt
-/// span with its `traceparent`, the answer's notes, the end of both spans, the three metric
-/// records, and (on the same thread) the background export's protobuf encoding. A
+/// span with its `traceparent`, the answer's notes, the end of both spans with their protobuf
+/// encoding and the three metric records, and (on the same thread) the export task's turns. A
 /// measurement, not a check: `cargo test --lib otel_cost -- --ignored --nocapture`.
 #[tokio::test(flavor = "current_thread")]
 #[ignore]
