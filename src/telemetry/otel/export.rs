@@ -2,7 +2,7 @@
 //! takes them (spans every schedule delay, metrics every interval), and the task that posts to
 //! the collector over our own hyper + rustls stack.
 //!
-//! A finished request is recorded on the thread where it ended ([`SpanQueue::record`]): its
+//! A finished request is recorded on the thread where it ended ([`Batches::record`]): its
 //! spans encoded into the thread's batch and its metrics added to the thread's aggregates, so
 //! nothing per request crosses to another thread (no record to queue, copy or free
 //! elsewhere). The thread keeps that work in a slot of its own, which it takes and puts back
@@ -152,7 +152,7 @@ struct Slot(AtomicCell<Option<Box<Pending>>>);
 
 /// The exporter's end the request path reaches: where a thread's slot is registered, and
 /// what a thread needs to hand a full batch to the sender itself.
-pub(crate) struct SpanQueue {
+pub(crate) struct Batches {
     /// Tells this exporter from one installed before or after it (a thread's slot belongs
     /// to one).
     id: u64,
@@ -167,9 +167,9 @@ pub(crate) struct SpanQueue {
     full: metrics::Counter,
 }
 
-impl std::fmt::Debug for SpanQueue {
+impl std::fmt::Debug for Batches {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SpanQueue")
+        f.debug_struct("Batches")
             .field("id", &self.id)
             .finish_non_exhaustive()
     }
@@ -200,9 +200,9 @@ thread_local! {
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
-impl SpanQueue {
-    fn new(fixed: Fixed, batch: usize, out: mpsc::Sender<Out>) -> SpanQueue {
-        SpanQueue {
+impl Batches {
+    fn new(fixed: Fixed, batch: usize, out: mpsc::Sender<Out>) -> Batches {
+        Batches {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             out,
             prefix: fixed.resource.len() + fixed.scope.len() + 32,
@@ -347,8 +347,9 @@ pub(super) struct Fixed {
     pub scope: Vec<u8>,
 }
 
-/// Starts the export and sender tasks on the current runtime; returns the queue and control.
-pub(super) fn start(s: &Settings, fixed: Fixed) -> Result<(Arc<SpanQueue>, Control), String> {
+/// Starts the export and sender tasks on the current runtime; returns the threads' end
+/// ([`Batches`]) and the control.
+pub(super) fn start(s: &Settings, fixed: Fixed) -> Result<(Arc<Batches>, Control), String> {
     let rt = tokio::runtime::Handle::try_current()
         .map_err(|_| "no Tokio runtime to export from".to_string())?;
     let traces: Uri = s.traces_endpoint.parse().map_err(|e| format!("{e}"))?;
@@ -356,7 +357,7 @@ pub(super) fn start(s: &Settings, fixed: Fixed) -> Result<(Arc<SpanQueue>, Contr
     // Encoded exports waiting for the sender, each up to a batch of spans (or one metric
     // export): as many batches as the queue size holds.
     let (out_tx, out_rx) = mpsc::channel((s.queue / s.batch.max(1)).max(1));
-    let queue = Arc::new(SpanQueue::new(fixed, s.batch, out_tx));
+    let batches = Arc::new(Batches::new(fixed, s.batch, out_tx));
     let (ctl_tx, ctl_rx) = mpsc::channel(4);
     let sender = Sender {
         client: HyperClient::new(s.timeout, s.protocol),
@@ -368,13 +369,13 @@ pub(super) fn start(s: &Settings, fixed: Fixed) -> Result<(Arc<SpanQueue>, Contr
     };
     rt.spawn(sender.run(out_rx));
     let worker = Worker {
-        queue: queue.clone(),
+        batches: batches.clone(),
         delay: s.schedule_delay,
         metric_interval: s.metric_interval,
         aggregates: Aggregates::new(now_ns()),
     };
     rt.spawn(worker.run(ctl_rx));
-    Ok((queue, Control(ctl_tx)))
+    Ok((batches, Control(ctl_tx)))
 }
 
 /// Room left in a batch's buffer below which it is handed off before the next request's spans
@@ -385,7 +386,7 @@ const ROOM_PER_REQUEST: usize = 8 * 1024;
 /// their batches; every metric interval, the metrics (cumulative, from all threads' since
 /// the start).
 struct Worker {
-    queue: Arc<SpanQueue>,
+    batches: Arc<Batches>,
     delay: Duration,
     metric_interval: Duration,
     aggregates: Aggregates,
@@ -407,7 +408,7 @@ impl Worker {
                     };
                     self.collect(true).await;
                     self.metrics(true).await;
-                    let _ = self.queue.out.send(Out::Ack(done)).await;
+                    let _ = self.batches.out.send(Out::Ack(done)).await;
                 }
                 _ = tokio::time::sleep_until(due) => {
                     self.collect(false).await;
@@ -425,12 +426,12 @@ impl Worker {
     /// Takes every thread's pending work: its metrics into the totals, its spans to the sender
     /// (`wait`: for room in the outbox, as a flush does, instead of dropping).
     async fn collect(&mut self, wait: bool) {
-        for p in self.queue.take_all() {
+        for p in self.batches.take_all() {
             if !p.aggregates.is_empty() {
                 self.aggregates.merge(&p.aggregates);
             }
             if p.in_batch > 0 {
-                let body = self.queue.seal(p.spans);
+                let body = self.batches.seal(p.spans);
                 self.send(Out::Spans(body, p.in_batch), wait).await;
             }
         }
@@ -438,8 +439,8 @@ impl Worker {
 
     async fn metrics(&mut self, wait: bool) {
         let body = self.aggregates.encode(
-            &self.queue.fixed.resource,
-            &self.queue.fixed.scope,
+            &self.batches.fixed.resource,
+            &self.batches.fixed.scope,
             now_ns(),
         );
         // Cumulative: an export skipped while the outbox is full is made good by the next.
@@ -448,11 +449,12 @@ impl Worker {
 
     async fn send(&mut self, o: Out, wait: bool) {
         if wait {
-            let _ = self.queue.out.send(o).await;
+            let _ = self.batches.out.send(o).await;
             return;
         }
-        if let Err(mpsc::error::TrySendError::Full(Out::Spans(_, n))) = self.queue.out.try_send(o) {
-            self.queue.full.increment(n);
+        if let Err(mpsc::error::TrySendError::Full(Out::Spans(_, n))) = self.batches.out.try_send(o)
+        {
+            self.batches.full.increment(n);
         }
     }
 }
@@ -511,22 +513,23 @@ impl Sender {
 mod tests {
     use super::super::context::Sampler;
     use super::super::spans::{Decision, Outcome, RequestTrace};
-    use super::{Fixed, Out, SpanQueue};
+    use super::{Batches, Fixed, Out};
     use crate::governor::{CallSpec, Record};
     use std::sync::Arc;
     use tokio::sync::mpsc;
 
-    /// A queue whose sender's outbox holds `outbox` exports, its receiving end, and a served
-    /// request's trace (a server span and one attempt's) with its record.
-    fn setup(batch: usize, outbox: usize) -> (Arc<SpanQueue>, mpsc::Receiver<Out>) {
+    /// The batches of an exporter whose sender's outbox holds `outbox` exports, and the
+    /// outbox's receiving end.
+    fn setup(batch: usize, outbox: usize) -> (Arc<Batches>, mpsc::Receiver<Out>) {
         let (tx, rx) = mpsc::channel(outbox);
         let (mut resource, mut scope) = (Vec::new(), Vec::new());
         super::proto::Writer(&mut resource).attr_str(1, "service.name", "t");
         super::proto::Writer(&mut scope).string(1, "tollgate");
         let fixed = Fixed { resource, scope };
-        (Arc::new(SpanQueue::new(fixed, batch, tx)), rx)
+        (Arc::new(Batches::new(fixed, batch, tx)), rx)
     }
 
+    /// A served request's trace (a server span and one attempt's) with its record.
     fn request() -> (Box<RequestTrace>, Record) {
         let p = crate::policy::from_str(
             "version: v\nbackends:\n  - {id: b, kind: openai, base_url: 'http://h:9/v1'}\nroutes:\n  - model: chat\n    chain: [{backend: b, model: m}]\n",

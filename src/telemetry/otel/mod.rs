@@ -36,10 +36,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// The installed exporter: the sampler, the threads' end of the export (see
-/// [`export::SpanQueue`]) and the export task's control.
+/// [`export::Batches`]) and the export task's control.
 pub struct Otel {
     sampler: Sampler,
-    queue: Arc<export::SpanQueue>,
+    batches: Arc<export::Batches>,
     control: export::Control,
 }
 
@@ -143,7 +143,7 @@ fn keep_box(t: Box<RequestTrace>) {
 /// Records a finished request with the installed exporter (the one installed now: a reload
 /// that replaced it sends the request with the new one's next batch).
 fn record(f: &spans::Finished, d: &spans::Decision<'_>) {
-    let _ = with_current(|o| o.queue.record(f, d));
+    let _ = with_current(|o| o.batches.record(f, d));
 }
 
 /// Builds the exporter from `s` and installs it process-wide (replacing any before it, which
@@ -206,10 +206,10 @@ fn build(s: &Settings) -> Result<Otel, String> {
     // InstrumentationScope { name 1, version 2 }
     w.string(1, "tollgate");
     w.string(2, env!("CARGO_PKG_VERSION"));
-    let (queue, control) = export::start(s, export::Fixed { resource, scope })?;
+    let (batches, control) = export::start(s, export::Fixed { resource, scope })?;
     Ok(Otel {
         sampler: s.sampler,
-        queue,
+        batches,
         control,
     })
 }
