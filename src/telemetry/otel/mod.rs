@@ -20,6 +20,7 @@ mod encode;
 mod export;
 mod metrics;
 mod notes;
+mod plain;
 mod proto;
 mod spans;
 
