@@ -197,21 +197,14 @@ async fn read_answer(conn: &mut TcpStream, buf: &mut Vec<u8>) -> Result<(u16, bo
     }
 }
 
-/// Reads more into `buf`, up to `cap` bytes in all; `Err` at the connection's end.
+/// Reads more into `buf`, up to `cap` bytes in all; `Err` at the connection's end. Reads into
+/// the buffer's spare room (not zeroed first).
 async fn fill(conn: &mut TcpStream, buf: &mut Vec<u8>, cap: usize) -> Result<(), String> {
     let room = cap.saturating_sub(buf.len()).clamp(1, 8 * 1024);
-    let at = buf.len();
-    buf.resize(at + room, 0);
-    let n = conn.read(&mut buf[at..]).await;
-    match n {
-        Ok(0) | Err(_) => {
-            buf.truncate(at);
-            Err("the collector closed the connection before answering".into())
-        }
-        Ok(n) => {
-            buf.truncate(at + n);
-            Ok(())
-        }
+    buf.reserve(room);
+    match conn.read_buf(&mut bytes::BufMut::limit(&mut *buf, room)).await {
+        Ok(0) | Err(_) => Err("the collector closed the connection before answering".into()),
+        Ok(_) => Ok(()),
     }
 }
 
