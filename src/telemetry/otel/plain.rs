@@ -107,18 +107,27 @@ impl Plain {
         }
     }
 
-    /// Writes the request and reads the answer; the answer's status.
+    /// Sends the export on the kept connection, else on a new one; the answer's status. A
+    /// kept connection the collector closed as the export went out (no byte of an answer
+    /// came: its idle timeout met the export) gets the export again on a new connection,
+    /// once; a new connection's failure is final.
     async fn exchange(&mut self, body: &Bytes) -> Result<u16, String> {
-        let mut conn = match self.conn.take() {
-            Some(c) if idle_and_open(&c) => c,
-            _ => {
-                let c = TcpStream::connect(&self.authority)
-                    .await
-                    .map_err(|e| format!("connecting to the collector: {}", e.kind()))?;
-                let _ = c.set_nodelay(true);
-                c
+        if let Some(c) = self.conn.take().filter(idle_and_open) {
+            match self.send_on(c, body).await {
+                Err(_) if self.buf.is_empty() => {}
+                r => return r,
             }
-        };
+        }
+        let c = TcpStream::connect(&self.authority)
+            .await
+            .map_err(|e| format!("connecting to the collector: {}", e.kind()))?;
+        let _ = c.set_nodelay(true);
+        self.send_on(c, body).await
+    }
+
+    /// Writes the request on `conn` and reads the answer; keeps `conn` when the answer allows.
+    async fn send_on(&mut self, mut conn: TcpStream, body: &Bytes) -> Result<u16, String> {
+        self.buf.clear();
         self.out.clear();
         self.out.extend_from_slice(&self.head);
         self.out
@@ -132,7 +141,6 @@ impl Plain {
             conn.write_all(&self.out).await.map_err(broken)?;
             conn.write_all(body).await.map_err(broken)?;
         }
-        self.buf.clear();
         let (status, keep) = read_answer(&mut conn, &mut self.buf).await?;
         if keep {
             self.conn = Some(conn);
@@ -202,7 +210,10 @@ async fn read_answer(conn: &mut TcpStream, buf: &mut Vec<u8>) -> Result<(u16, bo
 async fn fill(conn: &mut TcpStream, buf: &mut Vec<u8>, cap: usize) -> Result<(), String> {
     let room = cap.saturating_sub(buf.len()).clamp(1, 8 * 1024);
     buf.reserve(room);
-    match conn.read_buf(&mut bytes::BufMut::limit(&mut *buf, room)).await {
+    match conn
+        .read_buf(&mut bytes::BufMut::limit(&mut *buf, room))
+        .await
+    {
         Ok(0) | Err(_) => Err("the collector closed the connection before answering".into()),
         Ok(_) => Ok(()),
     }
@@ -307,7 +318,9 @@ mod tests {
                 tokio::spawn(async move {
                     while let Some((head, body)) = request(&mut s).await {
                         let _ = tx.send((conn_no, head, body));
-                        let Some(a) = answers.lock().unwrap().next() else {
+                        // None left, or an empty answer: the connection is closed unanswered.
+                        let Some(a) = answers.lock().unwrap().next().filter(|a| !a.is_empty())
+                        else {
                             return;
                         };
                         // (A client that stops reading a hostile answer closes: not an error.)
@@ -386,6 +399,30 @@ mod tests {
         p.post(&Bytes::from_static(b"c")).await.unwrap();
         let conns: Vec<usize> = [(); 3].iter().map(|_| rx.try_recv().unwrap().0).collect();
         assert_eq!(conns, [1, 2, 3]);
+    }
+
+    #[tokio::test]
+    async fn a_kept_connection_closed_unanswered_gets_the_export_again_once() {
+        let (url, mut rx) = collector(vec![OK, b"", OK, b"", b""]).await;
+        let mut p = plain(&url, 2000);
+        p.post(&Bytes::from_static(b"1")).await.unwrap();
+        // The collector reads the second export on the kept connection and closes it.
+        p.post(&Bytes::from_static(b"2")).await.unwrap();
+        let got: Vec<(usize, Vec<u8>)> = [(); 3]
+            .iter()
+            .map(|_| rx.try_recv().map(|(c, _, b)| (c, b)).unwrap())
+            .collect();
+        assert_eq!(
+            got,
+            [(1, b"1".to_vec()), (1, b"2".to_vec()), (2, b"2".to_vec())]
+        );
+        // Kept again, closed again: sent again on a new connection, which closes too: failed,
+        // and not sent a third time.
+        let e = p.post(&Bytes::from_static(b"3")).await.unwrap_err();
+        assert!(e.contains("closed"), "{e}");
+        let conns: Vec<usize> = [(); 2].iter().map(|_| rx.try_recv().unwrap().0).collect();
+        assert_eq!(conns, [2, 3]);
+        assert!(rx.try_recv().is_err());
     }
 
     #[tokio::test]
