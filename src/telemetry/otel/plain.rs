@@ -68,7 +68,12 @@ impl Plain {
         head.extend_from_slice(b"POST ");
         head.extend_from_slice(path.as_bytes());
         head.extend_from_slice(b" HTTP/1.1\r\nHost: ");
-        head.extend_from_slice(url.authority()?.as_str().as_bytes());
+        // Host and port only: credentials written into the URL (`user:pass@`) stay out.
+        head.extend_from_slice(host.as_bytes());
+        if let Some(p) = url.port() {
+            head.extend_from_slice(b":");
+            head.extend_from_slice(p.as_str().as_bytes());
+        }
         head.extend_from_slice(b"\r\nContent-Type: application/x-protobuf\r\n");
         for (k, v) in headers {
             // `HeaderValue` holds no CR or LF: a value cannot end its line early.
@@ -166,10 +171,16 @@ fn idle_and_open(c: &TcpStream) -> bool {
 async fn read_answer(conn: &mut TcpStream, buf: &mut Vec<u8>) -> Result<(u16, bool), String> {
     let mut interim = 0;
     loop {
+        // Bytes already known not to end the head: a head that trickles in is parsed again
+        // only when a line end arrives, not once per read.
+        let mut seen = 0;
         let (status, head_len, length, keep) = loop {
-            if let Some(parsed) = parse_head(buf)? {
-                break parsed;
+            if (seen == 0 || buf[seen..].contains(&b'\n')) && !buf.is_empty() {
+                if let Some(parsed) = parse_head(buf)? {
+                    break parsed;
+                }
             }
+            seen = buf.len();
             if buf.len() >= MAX_HEAD {
                 return Err("the collector's answer head is too large".into());
             }
@@ -237,9 +248,10 @@ fn parse_head(buf: &[u8]) -> Result<Option<(u16, usize, Option<u64>, bool)>, Str
     let mut chunked = false;
     for f in r.headers.iter() {
         if f.name.eq_ignore_ascii_case("content-length") {
-            let n = std::str::from_utf8(f.value)
-                .ok()
-                .and_then(|v| v.trim().parse::<u64>().ok())
+            // Digits only (no sign), at most 19 (no overflow).
+            let v = f.value.trim_ascii();
+            let n = (!v.is_empty() && v.len() <= 19 && v.iter().all(u8::is_ascii_digit))
+                .then(|| v.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0')))
                 .ok_or("the collector's answer has a bad Content-Length")?;
             if length.is_some_and(|m| m != n) {
                 return Err("the collector's answer has two lengths".into());
@@ -477,6 +489,35 @@ mod tests {
         drop(l);
         let e = plain(&url, 2000).post(&Bytes::new()).await.unwrap_err();
         assert!(e.starts_with("connecting to the collector"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_bad_length_fails_the_export() {
+        for bad in [
+            &b"HTTP/1.1 200 OK\r\nContent-Length: +1\r\n\r\nx"[..],
+            b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nxx",
+            b"HTTP/1.1 200 OK\r\nContent-Length: 99999999999999999999\r\n\r\n",
+        ] {
+            let (url, _rx) = collector(vec![Box::leak(bad.to_vec().into_boxed_slice())]).await;
+            let e = plain(&url, 2000).post(&Bytes::new()).await.unwrap_err();
+            assert!(e.contains("Content-Length") || e.contains("lengths"), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_host_field_carries_no_credentials() {
+        let p = Plain::new(
+            &"http://user:secret@collector:4318/v1/traces"
+                .parse()
+                .unwrap(),
+            &[],
+            Duration::from_secs(1),
+        )
+        .unwrap();
+        let head = String::from_utf8(p.head.clone()).unwrap();
+        assert!(head.starts_with("POST /v1/traces HTTP/1.1\r\nHost: collector:4318\r\n"));
+        assert!(!head.contains("secret"));
+        assert_eq!(p.authority, "collector:4318");
     }
 
     #[test]
