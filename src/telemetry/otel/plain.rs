@@ -118,8 +118,9 @@ impl Plain {
     /// once; a new connection's failure is final.
     async fn exchange(&mut self, body: &Bytes) -> Result<u16, String> {
         if let Some(c) = self.conn.take().filter(idle_and_open) {
-            match self.send_on(c, body).await {
-                Err(_) if self.buf.is_empty() => {}
+            let mut answered = false;
+            match self.send_on(c, body, &mut answered).await {
+                Err(_) if !answered => {}
                 r => return r,
             }
         }
@@ -127,11 +128,17 @@ impl Plain {
             .await
             .map_err(|e| format!("connecting to the collector: {}", e.kind()))?;
         let _ = c.set_nodelay(true);
-        self.send_on(c, body).await
+        self.send_on(c, body, &mut false).await
     }
 
     /// Writes the request on `conn` and reads the answer; keeps `conn` when the answer allows.
-    async fn send_on(&mut self, mut conn: TcpStream, body: &Bytes) -> Result<u16, String> {
+    /// `answered`: set once any byte of an answer arrived.
+    async fn send_on(
+        &mut self,
+        mut conn: TcpStream,
+        body: &Bytes,
+        answered: &mut bool,
+    ) -> Result<u16, String> {
         self.buf.clear();
         self.out.clear();
         self.out.extend_from_slice(&self.head);
@@ -146,7 +153,7 @@ impl Plain {
             conn.write_all(&self.out).await.map_err(broken)?;
             conn.write_all(body).await.map_err(broken)?;
         }
-        let (status, keep) = read_answer(&mut conn, &mut self.buf).await?;
+        let (status, keep) = read_answer(&mut conn, &mut self.buf, answered).await?;
         if keep {
             self.conn = Some(conn);
         }
@@ -168,7 +175,11 @@ fn idle_and_open(c: &TcpStream) -> bool {
 /// Reads one final answer (interim 1xx answers skipped) and, when it is framed by
 /// `Content-Length` within [`MAX_BODY`], its body; its status, and whether the connection can
 /// be kept.
-async fn read_answer(conn: &mut TcpStream, buf: &mut Vec<u8>) -> Result<(u16, bool), String> {
+async fn read_answer(
+    conn: &mut TcpStream,
+    buf: &mut Vec<u8>,
+    answered: &mut bool,
+) -> Result<(u16, bool), String> {
     let mut interim = 0;
     loop {
         // Bytes already known not to end the head: a head that trickles in is parsed again
@@ -185,6 +196,7 @@ async fn read_answer(conn: &mut TcpStream, buf: &mut Vec<u8>) -> Result<(u16, bo
                 return Err("the collector's answer head is too large".into());
             }
             fill(conn, buf, MAX_HEAD).await?;
+            *answered = true;
         };
         buf.drain(..head_len);
         if (100..200).contains(&status) {
@@ -336,6 +348,11 @@ mod tests {
                             return;
                         };
                         // (A client that stops reading a hostile answer closes: not an error.)
+                        // An answer ending in `<close>` is written without it, then closed.
+                        if let Some(a) = a.strip_suffix(b"<close>") {
+                            let _ = s.write_all(a).await;
+                            return;
+                        }
                         let _ = s.write_all(a).await;
                     }
                 });
@@ -435,6 +452,19 @@ mod tests {
         let conns: Vec<usize> = [(); 2].iter().map(|_| rx.try_recv().unwrap().0).collect();
         assert_eq!(conns, [2, 3]);
         assert!(rx.try_recv().is_err());
+    }
+
+    #[tokio::test]
+    async fn a_kept_connection_closed_after_part_of_an_answer_is_not_tried_again() {
+        let (url, mut rx) = collector(vec![OK, b"HTTP/1.1 100 Continue\r\n\r\n<close>", OK]).await;
+        let mut p = plain(&url, 2000);
+        p.post(&Bytes::from_static(b"1")).await.unwrap();
+        // Something of an answer came: the collector may have taken the export.
+        let e = p.post(&Bytes::from_static(b"2")).await.unwrap_err();
+        assert!(e.contains("closed"), "{e}");
+        let conns: Vec<usize> = [(); 2].iter().map(|_| rx.try_recv().unwrap().0).collect();
+        assert_eq!(conns, [1, 1]);
+        assert!(rx.try_recv().is_err(), "not sent again");
     }
 
     #[tokio::test]
