@@ -299,6 +299,21 @@ pub struct RecordFields {
 }
 
 impl Record {
+    /// A record for tests: policy `v`, request and job `r`, consumer `c`, route `chat`, served
+    /// by `backend`.
+    #[cfg(test)]
+    pub fn test_chat(backend: &str) -> Self {
+        let mut r = Record::new(
+            Arc::from("v"),
+            Arc::from("r"),
+            Arc::from("r"),
+            Arc::from("c"),
+            Arc::from("chat"),
+        );
+        r.backend = Arc::from(backend);
+        r
+    }
+
     pub fn new(
         policy_version: Arc<str>,
         request_id: Arc<str>,

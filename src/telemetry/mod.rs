@@ -220,14 +220,7 @@ mod tests {
     #[test]
     #[ignore]
     fn observe_cost() {
-        let mut rec = Record::new(
-            Arc::from("v"),
-            Arc::from("r"),
-            Arc::from("r"),
-            Arc::from("c"),
-            Arc::from("chat"),
-        );
-        rec.backend = Arc::from("bench-b");
+        let mut rec = Record::test_chat("bench-b");
         rec.upstream_model = Some(Arc::from("m"));
         rec.usage_evidence_state = UsageEvidence::Actual;
         rec.actual_input_tokens = 10;

@@ -600,14 +600,7 @@ mod tests {
             probe: false,
         });
         t.end_attempt(a, Outcome::Served);
-        let mut rec = Record::new(
-            Arc::from("v"),
-            Arc::from("r"),
-            Arc::from("r"),
-            Arc::from("c"),
-            Arc::from("chat"),
-        );
-        rec.backend = Arc::from("b");
+        let rec = Record::test_chat("b");
         (t, rec)
     }
 

@@ -193,14 +193,7 @@ async fn otel_cost() {
     )
     .unwrap();
     let backend = &p.backends[0];
-    let mut rec = Record::new(
-        Arc::from("v"),
-        Arc::from("r"),
-        Arc::from("r"),
-        Arc::from("c"),
-        Arc::from("chat"),
-    );
-    rec.backend = Arc::from("b");
+    let mut rec = Record::test_chat("b");
     rec.upstream_model = Some(Arc::from("m"));
     rec.usage_evidence_state = UsageEvidence::Actual;
     rec.actual_input_tokens = 10;
