@@ -1,6 +1,7 @@
 //! The way out: each thread's batch of encoded spans and its metrics, the export task that
 //! takes them (spans every schedule delay, metrics every interval), and the task that posts to
-//! the collector over our own hyper + rustls stack.
+//! the collector: over its own HTTP/1.1 connection to an `http://` collector ([`Plain`]), or
+//! through hyper + rustls for `https://` and gRPC.
 //!
 //! A finished request is recorded on the thread where it ended ([`Batches::record`]): its
 //! spans encoded into the thread's batch and its metrics added to the thread's aggregates, so
