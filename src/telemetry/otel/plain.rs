@@ -183,12 +183,12 @@ async fn read_answer(
     let mut interim = 0;
     loop {
         // Bytes already known not to end the head: a head that trickles in is parsed again
-        // only when a line end arrives, not once per read.
+        // only when a line end arrives, not once per read (a whole head holds one).
         let mut seen = 0;
-        let (status, head_len, length, keep) = loop {
-            if (seen == 0 || buf[seen..].contains(&b'\n')) && !buf.is_empty() {
-                if let Some(parsed) = parse_head(buf)? {
-                    break parsed;
+        let head = loop {
+            if buf[seen..].contains(&b'\n') {
+                if let Some(head) = parse_head(buf)? {
+                    break head;
                 }
             }
             seen = buf.len();
@@ -198,7 +198,8 @@ async fn read_answer(
             fill(conn, buf, MAX_HEAD).await?;
             *answered = true;
         };
-        buf.drain(..head_len);
+        buf.drain(..head.len);
+        let status = head.status;
         if (100..200).contains(&status) {
             interim += 1;
             if status == 101 || interim > MAX_INTERIM {
@@ -207,19 +208,19 @@ async fn read_answer(
             continue;
         }
         // 204 and 304 have no body whatever their fields say.
-        let length = if matches!(status, 204 | 304) {
+        let body = if matches!(status, 204 | 304) {
             Some(0)
         } else {
-            length
+            head.body
         };
-        let keep = match length {
+        let keep = match body {
             Some(n) if n <= MAX_BODY as u64 => {
                 let n = n as usize;
                 while buf.len() < n {
                     fill(conn, buf, n).await?;
                 }
                 // Bytes past the body are not the start of anything asked for.
-                keep && buf.len() == n
+                head.keep && buf.len() == n
             }
             // Chunked, to the close, or too long: the status is enough; not read further.
             _ => false,
@@ -242,11 +243,19 @@ async fn fill(conn: &mut TcpStream, buf: &mut Vec<u8>, cap: usize) -> Result<(),
     }
 }
 
-/// A complete answer head at the front of `buf`: its status, its length, the body's length
-/// when `Content-Length` frames it (and no `Transfer-Encoding` does), and whether it lets the
-/// connection be kept. `None` when more is needed.
-#[allow(clippy::type_complexity)]
-fn parse_head(buf: &[u8]) -> Result<Option<(u16, usize, Option<u64>, bool)>, String> {
+/// What an answer's head says.
+struct Head {
+    status: u16,
+    /// The head's own length in the buffer.
+    len: usize,
+    /// The body's length, when `Content-Length` frames it (and no `Transfer-Encoding` does).
+    body: Option<u64>,
+    /// The connection can carry another export after this answer's body.
+    keep: bool,
+}
+
+/// A complete answer head at the front of `buf`; `None` when more is needed.
+fn parse_head(buf: &[u8]) -> Result<Option<Head>, String> {
     let mut fields = [httparse::EMPTY_HEADER; MAX_FIELDS];
     let mut r = httparse::Response::new(&mut fields);
     let len = match r.parse(buf) {
@@ -281,7 +290,12 @@ fn parse_head(buf: &[u8]) -> Result<Option<(u16, usize, Option<u64>, bool)>, Str
     if chunked {
         length = None;
     }
-    Ok(Some((status, len, length, keep)))
+    Ok(Some(Head {
+        status,
+        len,
+        body: length,
+        keep,
+    }))
 }
 
 #[cfg(test)]
@@ -321,15 +335,13 @@ mod tests {
         }
     }
 
+    /// What the test collector received: each request's connection number, head and body.
+    type Rx = tokio::sync::mpsc::UnboundedReceiver<(usize, String, Vec<u8>)>;
+
     /// A collector that answers the requests it gets, on whichever connection, with
     /// `answers` in turn (a connection with none left is closed); what it was sent, with the
     /// number of the connection it came on.
-    async fn collector(
-        answers: Vec<&'static [u8]>,
-    ) -> (
-        String,
-        tokio::sync::mpsc::UnboundedReceiver<(usize, String, Vec<u8>)>,
-    ) {
+    async fn collector(answers: Vec<&'static [u8]>) -> (String, Rx) {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}/v1/traces", l.local_addr().unwrap());
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
@@ -359,6 +371,11 @@ mod tests {
             }
         });
         (url, rx)
+    }
+
+    /// The connection numbers of the next `n` requests the collector has already received.
+    fn conns(rx: &mut Rx, n: usize) -> Vec<usize> {
+        (0..n).map(|_| rx.try_recv().unwrap().0).collect()
     }
 
     fn plain(url: &str, timeout_ms: u64) -> Plain {
@@ -407,9 +424,8 @@ mod tests {
         assert_eq!(e, "collector answered 503");
         p.post(&Bytes::from_static(b"x")).await.unwrap();
         p.post(&Bytes::from_static(b"x")).await.unwrap();
-        let conns: Vec<usize> = [(); 3].iter().map(|_| rx.try_recv().unwrap().0).collect();
         // The 503 had a whole body: kept. The answer that asked to close: a new connection.
-        assert_eq!(conns, [1, 1, 2]);
+        assert_eq!(conns(&mut rx, 3), [1, 1, 2]);
     }
 
     #[tokio::test]
@@ -426,8 +442,7 @@ mod tests {
         // HTTP/1.0 without keep-alive: not kept either.
         p.post(&Bytes::from_static(b"b")).await.unwrap();
         p.post(&Bytes::from_static(b"c")).await.unwrap();
-        let conns: Vec<usize> = [(); 3].iter().map(|_| rx.try_recv().unwrap().0).collect();
-        assert_eq!(conns, [1, 2, 3]);
+        assert_eq!(conns(&mut rx, 3), [1, 2, 3]);
     }
 
     #[tokio::test]
@@ -449,8 +464,7 @@ mod tests {
         // and not sent a third time.
         let e = p.post(&Bytes::from_static(b"3")).await.unwrap_err();
         assert!(e.contains("closed"), "{e}");
-        let conns: Vec<usize> = [(); 2].iter().map(|_| rx.try_recv().unwrap().0).collect();
-        assert_eq!(conns, [2, 3]);
+        assert_eq!(conns(&mut rx, 2), [2, 3]);
         assert!(rx.try_recv().is_err());
     }
 
@@ -462,8 +476,7 @@ mod tests {
         // Something of an answer came: the collector may have taken the export.
         let e = p.post(&Bytes::from_static(b"2")).await.unwrap_err();
         assert!(e.contains("closed"), "{e}");
-        let conns: Vec<usize> = [(); 2].iter().map(|_| rx.try_recv().unwrap().0).collect();
-        assert_eq!(conns, [1, 1]);
+        assert_eq!(conns(&mut rx, 2), [1, 1]);
         assert!(rx.try_recv().is_err(), "not sent again");
     }
 
