@@ -13,6 +13,15 @@ pub fn full(b: impl Into<Bytes>) -> Body {
     Full::new(b.into()).map_err(|never| match never {}).boxed()
 }
 
+/// A `Content-Length` value: 1 to 19 digits (no sign, no whitespace, no overflow); the
+/// client's server, the upstream client and the OTLP poster all read lengths with it.
+pub fn content_length(v: &[u8]) -> Option<u64> {
+    if v.is_empty() || v.len() > 19 || !v.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    Some(v.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0')))
+}
+
 /// A request's body as the handlers get it: hyper's, or one the sidecar's own HTTP/1.1 server
 /// ([`crate::proxy::front`]) has already read whole.
 #[derive(Debug)]
@@ -53,6 +62,38 @@ impl http_body::Body for ReqBody {
             ReqBody::Whole(b) => {
                 http_body::SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64))
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::content_length;
+
+    #[test]
+    fn a_length_is_digits_only_and_never_overflows() {
+        assert_eq!(content_length(b"0"), Some(0));
+        assert_eq!(content_length(b"1234"), Some(1234));
+        assert_eq!(
+            content_length(b"9999999999999999999"),
+            Some(9_999_999_999_999_999_999)
+        );
+        for bad in [
+            &b""[..],
+            b"+1",
+            b"-1",
+            b" 1",
+            b"1 ",
+            b"1,1",
+            b"0x10",
+            b"99999999999999999999",
+        ] {
+            assert_eq!(
+                content_length(bad),
+                None,
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
         }
     }
 }

@@ -245,7 +245,7 @@ fn parse(buf: &BytesMut, max_body: u64) -> Option<Head> {
                 return None;
             }
             let most = MAX_WHOLE_BODY.min(max_body);
-            body = Some(super::h1::content_length(h.value).filter(|&n| n <= most)?);
+            body = Some(crate::body::content_length(h.value).filter(|&n| n <= most)?);
         } else if name == header::CONNECTION {
             for t in h.value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
                 if t.eq_ignore_ascii_case(b"close") {

@@ -292,7 +292,7 @@ impl Fields {
             );
         } else if *name == http::header::CONTENT_LENGTH {
             for part in tokens() {
-                let n = content_length(part).ok_or(HeadError::Malformed)?;
+                let n = crate::body::content_length(part).ok_or(HeadError::Malformed)?;
                 if self.length.is_some_and(|l| l != n) {
                     return Err(HeadError::Malformed);
                 }
@@ -327,14 +327,6 @@ impl Fields {
             },
         }
     }
-}
-
-/// A `Content-Length` value: 1 to 19 digits (no sign, no overflow).
-pub(super) fn content_length(v: &[u8]) -> Option<u64> {
-    if v.is_empty() || v.len() > 19 || !v.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    Some(v.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0')))
 }
 
 /// Where a chunked body's reading is.

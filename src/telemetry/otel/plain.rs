@@ -269,10 +269,7 @@ fn parse_head(buf: &[u8]) -> Result<Option<Head>, String> {
     let mut chunked = false;
     for f in r.headers.iter() {
         if f.name.eq_ignore_ascii_case("content-length") {
-            // Digits only (no sign), at most 19 (no overflow).
-            let v = f.value.trim_ascii();
-            let n = (!v.is_empty() && v.len() <= 19 && v.iter().all(u8::is_ascii_digit))
-                .then(|| v.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0')))
+            let n = crate::body::content_length(f.value.trim_ascii())
                 .ok_or("the collector's answer has a bad Content-Length")?;
             if length.is_some_and(|m| m != n) {
                 return Err("the collector's answer has two lengths".into());
