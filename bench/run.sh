@@ -77,11 +77,12 @@ for _ in $(seq "$PASSES"); do
 done
 # One connection again, every process on a core of its own choosing, the same for every
 # target: wrk and the proxy on the first core (a sidecar shares its pod with its client), the
-# mock upstream on the last. Left free, the scheduler keeps each process on the core it last
-# ran on (at one connection only one of them runs at a time, so every core it wakes on is
-# idle), and which of the three share a core is settled when wrk starts. On a 2-core VM a
-# wake-up on another core costs ~20-30 µs, so the free figure is decided by that placement
-# more than by the proxy (docs/performance.md, twenty-eighth round). PLACED=0: skip this.
+# mock upstream on the last. Left free, which of the three processes share a core is up to
+# the scheduler (mostly settled as wrk starts: at one connection one process runs at a time,
+# and a woken one stays on its idle core), and it decides how many of a request's four
+# hand-overs cross cores. On a 2-core VM one that does costs ~20-30 µs, so the free figure
+# follows the placement more than the proxy (docs/performance.md, twenty-eighth round).
+# PLACED=0: skip this.
 declare -A PLACED_RESULTS
 if [ "${PLACED:-1}" = 1 ] && [[ " $CONNS " == *" 1 "* ]] && command -v taskset >/dev/null && [ "$(nproc)" -ge 2 ]; then
   CLIENT_CORE=0; UPSTREAM_CORE=$(( $(nproc) - 1 ))
