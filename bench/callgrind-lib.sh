@@ -1,11 +1,7 @@
 # Shared by bench/callgrind.sh and bench/otel-cost.sh: start the nginx mock, send requests,
 # and count a process's user-space instructions per request under callgrind.
 # Expects N, OUT (a scratch directory) and the working directory at the repository root.
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT
-
-nginx -c "$PWD/bench/nginx-mock.conf" -p /tmp & pids+=($!)
+. bench/mock.sh
 
 # send PORT COUNT: COUNT sequential POSTs on one keep-alive connection; fails on a non-200.
 # VARY=1: each request's user message ends in a number of its own (no text seen before).

@@ -19,10 +19,7 @@ for c in perf wrk nginx python3; do command -v $c >/dev/null || { echo "needs $c
 OUT=/tmp/tollgate-hop; rm -rf "$OUT"; mkdir -p "$OUT"
 rm -f /tmp/tollgate-bench.db*
 
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT
-nginx -c "$PWD/bench/nginx-mock.conf" -p /tmp & pids+=($!)
+. bench/mock.sh
 nginx -c "$PWD/bench/nginx-proxy.conf" -p /tmp & pids+=($!)
 TOLLGATE_LOG=warn "$BIN" serve --policy "$POLICY" & TG=$!; pids+=($TG)
 sleep 1.5

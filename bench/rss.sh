@@ -7,10 +7,7 @@ cd "$(dirname "$0")/.."
 POLICY=${1:-bench/policy.yaml}
 BIN=${BIN:-./target/release/tollgate}
 N=${N:-2000}
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT
-nginx -c "$PWD/bench/nginx-mock.conf" -p /tmp & pids+=($!)
+. bench/mock.sh
 PORT=$(sed -n 's/.*{listen: 127.0.0.1:\([0-9]*\),.*/\1/p' "$POLICY" | head -1)
 rm -f /tmp/tollgate-bench.db*
 TOLLGATE_LOG=warn "$BIN" serve --policy "$POLICY" & TG=$!; pids+=($TG)

@@ -19,11 +19,7 @@ BIN=${BIN:-./target/release/tollgate}   # BIN=path: bench that binary instead of
 [ "$BIN" != ./target/release/tollgate ] || cargo build --release --quiet --bin tollgate
 rm -f /tmp/tollgate-bench.db*
 
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT
-
-nginx -c "$PWD/bench/nginx-mock.conf" -p /tmp & pids+=($!)
+. bench/mock.sh
 nginx -c "$PWD/bench/nginx-proxy.conf" -p /tmp & pids+=($!)
 TOLLGATE_LOG=warn "$BIN" serve --policy bench/policy.yaml & TG=$!; pids+=($TG)
 TOLLGATE_LOG=warn "$BIN" serve --policy bench/policy-default.yaml & TGD=$!; pids+=($TGD)
