@@ -71,7 +71,7 @@ for _ in $(seq "$PASSES"); do
     done
   done
 done
-# One connection again, every process on a core of its own choosing, the same for every
+# One connection again, every process on a fixed core, the same for every
 # target: wrk and the proxy on the first core (a sidecar shares its pod with its client), the
 # mock upstream on the last. Left free, which of the three processes share a core is up to
 # the scheduler (mostly settled as wrk starts: at one connection one process runs at a time,
