@@ -96,23 +96,25 @@ if [ "${PLACED:-1}" = 1 ] && [[ " $CONNS " == *" 1 "* ]] && command -v taskset >
   done
 fi
 
+# median_pass RUNS: of a target's runs (one line a pass), the pass with the median req/s.
+median_pass() { printf '%s' "$1" | sort -n -k1 | sed -n "$(( (PASSES + 1) / 2 ))p"; }
+# p50s RUNS: the p50 of each run, in pass order.
+p50s() { printf '%s' "$1" | awk '{print $2}'; }
+
 # latency NAME LABEL RESULT-ARRAY KEY-SUFFIX: the added p50 latency at one connection of
 # target NAME against nginx's, from the median pass (by req/s) and as the median of each
 # pass's own ratio (its runs seconds apart, so the machine's drift over the minutes falls on
 # all three alike).
 latency() {
-  local t=$1 label=$2 sfx=$4 m a n d
+  local t=$1 label=$2 sfx=$4 a n d
   local -n res=$3
   [ -n "${res[$t$sfx]:-}" ] || return 0
-  m=$(( (PASSES + 1) / 2 ))
-  a=$(printf '%s' "${res[$t$sfx]}" | sort -n -k1 | sed -n "${m}p" | awk '{print $2}')
-  n=$(printf '%s' "${res[nginx$sfx]}" | sort -n -k1 | sed -n "${m}p" | awk '{print $2}')
-  d=$(printf '%s' "${res[direct$sfx]}" | sort -n -k1 | sed -n "${m}p" | awk '{print $2}')
+  a=$(p50s "$(median_pass "${res[$t$sfx]}")")
+  n=$(p50s "$(median_pass "${res[nginx$sfx]}")")
+  d=$(p50s "$(median_pass "${res[direct$sfx]}")")
   awk -v t="$t" -v l="$label" -v a="$a" -v n="$n" -v d="$d" \
     'BEGIN{printf "%s p50 added latency at 1 connection%s: %d µs (nginx: %d µs, %.2fx)\n", t, l, a-d, n-d, (n>d)?(a-d)/(n-d):0}'
-  paste <(printf '%s' "${res[direct$sfx]}" | awk '{print $2}') \
-        <(printf '%s' "${res[nginx$sfx]}" | awk '{print $2}') \
-        <(printf '%s' "${res[$t$sfx]}" | awk '{print $2}') |
+  paste <(p50s "${res[direct$sfx]}") <(p50s "${res[nginx$sfx]}") <(p50s "${res[$t$sfx]}") |
     awk '$2>$1{print ($3-$1)/($2-$1)}' | sort -g |
     awk -v t="$t" -v l="$label" '{r[NR]=$1; s=s sprintf(" %.2f", $1)} END{if (NR) printf "%s added latency ratio per pass%s:%s (median %.2fx)\n", t, l, s, (NR%2)?r[(NR+1)/2]:(r[NR/2]+r[NR/2+1])/2}'
 }
@@ -122,14 +124,12 @@ echo "| --- | --- | --- | --- | --- | --- | --- |"
 declare -A RPS CPU
 for target in $TARGETS; do
   for c in $CONNS; do
-    median=$(printf '%s' "${RESULTS[$target/$c]}" | sort -n -k1 | sed -n "$(( (PASSES + 1) / 2 ))p")
-    read -r rps p50 p99 cpu errors <<<"$median"
+    read -r rps p50 p99 cpu errors <<<"$(median_pass "${RESULTS[$target/$c]}")"
     RPS[$target/$c]=$rps; CPU[$target/$c]=$cpu
     echo "| $target | $c | $rps | $p50 | $p99 | $cpu | $errors |"
   done
   [ -n "${PLACED_RESULTS[$target]:-}" ] || continue
-  median=$(printf '%s' "${PLACED_RESULTS[$target]}" | sort -n -k1 | sed -n "$(( (PASSES + 1) / 2 ))p")
-  read -r rps p50 p99 cpu errors <<<"$median"
+  read -r rps p50 p99 cpu errors <<<"$(median_pass "${PLACED_RESULTS[$target]}")"
   echo "| $target | 1, placed | $rps | $p50 | $p99 | $cpu | $errors |"
 done
 echo
