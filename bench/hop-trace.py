@@ -16,6 +16,8 @@ from collections import Counter, defaultdict
 SYSCALL = re.compile(
     r"\s*(.+?)\s+(\d+)\s+\[(\d+)\]\s+([\d.]+):\s+syscalls:sys_(enter|exit)_(\w+):\s*(.*)"
 )
+# The syscalls that send: the answer to the client, the request to the upstream.
+SENDS = ("writev", "sendto", "write")
 WAKEUP = re.compile(
     r"\s*(.+?)\s+(\d+)\s+\[(\d+)\]\s+([\d.]+):\s+sched:sched_wakeup:\s+comm=(\S+) pid=(\d+) .*target_cpu=(\d+)"
 )
@@ -37,7 +39,7 @@ def main(sys_path, wake_path, tids):
     if not events:
         sys.exit("no syscalls traced (is perf allowed to read tracepoints?)")
     # The serving thread: the one that wrote most.
-    writes = Counter(e[0] for e in events if e[3] == "enter" and e[4] in ("writev", "sendto", "write"))
+    writes = Counter(e[0] for e in events if e[3] == "enter" and e[4] in SENDS)
     tid = writes.most_common(1)[0][0]
     seq = [e for e in events if e[0] == tid]
     # The two sockets of the connection: the client's gets the answer, larger than the
@@ -45,7 +47,7 @@ def main(sys_path, wake_path, tids):
     # the socket it is on.
     sent, last = Counter(), None
     for _, _, _, edge, call, fd, ret in seq:
-        if call in ("writev", "sendto", "write"):
+        if call in SENDS:
             if edge == "enter":
                 last = fd
             elif last is not None and ret.startswith("0x"):
@@ -67,7 +69,7 @@ def main(sys_path, wake_path, tids):
     for i in range(1, len(seq)):
         gaps[(names[i - 1], names[i])].append(seq[i][2] - seq[i - 1][2])
     n_req = sum(
-        1 for e in seq if e[3] == "enter" and e[4] in ("writev", "sendto", "write") and e[5] == client_fd
+        1 for e in seq if e[3] == "enter" and e[4] in SENDS and e[5] == client_fd
     )
     span = seq[-1][2] - seq[0][2]
     print(f"serving thread {tid}: {n_req} answers in {span / 1e6:.2f} s, "
@@ -98,7 +100,6 @@ def main(sys_path, wake_path, tids):
     if total:
         print(f"wake-ups of the proxy's threads: {total / n_req:.2f} per request, " + ", ".join(
             f"on {k}: {v * 100 / total:.0f} %" for k, v in wakes.most_common()))
-    return n_req
 
 
 if __name__ == "__main__":
