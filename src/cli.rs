@@ -205,6 +205,19 @@ pub async fn serve(args: &ServeArgs) -> u8 {
              (`tollgate check --print-default` prints it)"
         );
     }
+    // The servers TLS calls trust: the compiled-in roots and `SSL_CERT_FILE`'s certificates.
+    match crate::tls::init() {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(
+            certificates = n,
+            "trusting the certificates of ${} besides the compiled-in roots",
+            crate::tls::CA_FILE_VAR
+        ),
+        Err(e) => {
+            eprintln!("{e}");
+            return EXIT_INVALID;
+        }
+    }
     crate::estimate::warm_up_for(snap.policy.estimate.tokenizer);
     // OTLP export when configured (`OTEL_*` or telemetry.otlp; read once, at start).
     crate::telemetry::otel::init(&snap.policy);

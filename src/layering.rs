@@ -22,6 +22,7 @@ const ORDER: &[&str] = &[
     "ledger",
     "estimate",
     "units",
+    "tls",
     "body",
     "jscan",
 ];

@@ -35,6 +35,7 @@ pub mod sidecar;
 pub mod state;
 pub mod stream;
 pub mod telemetry;
+pub mod tls;
 pub mod units;
 
 #[cfg(test)]

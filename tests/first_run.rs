@@ -31,6 +31,7 @@ const CLEARED: &[&str] = &[
     "GEMINI_API_KEY",
     "ANTHROPIC_API_KEY",
     "RUST_LOG",
+    "SSL_CERT_FILE",
 ];
 
 fn tollgate(dir: &Path) -> Command {
@@ -437,43 +438,76 @@ fn mock_openai() -> (String, mpsc::Receiver<serde_json::Value>) {
         for conn in l.incoming() {
             let Ok(mut c) = conn else { break };
             c.set_read_timeout(Some(Duration::from_secs(10))).ok();
-            let mut buf = Vec::new();
-            let mut chunk = [0u8; 4096];
-            let body = loop {
-                let n = match c.read(&mut chunk) {
-                    Ok(0) | Err(_) => break None,
-                    Ok(n) => n,
-                };
-                buf.extend_from_slice(&chunk[..n]);
-                let text = String::from_utf8_lossy(&buf).to_string();
-                let Some((head, rest)) = text.split_once("\r\n\r\n") else {
-                    continue;
-                };
-                let len = head
-                    .lines()
-                    .find_map(|l| {
-                        let (k, v) = l.split_once(':')?;
-                        k.eq_ignore_ascii_case("content-length")
-                            .then(|| v.trim().parse::<usize>().ok())?
-                    })
-                    .unwrap_or(0);
-                if rest.len() >= len {
-                    break Some(rest[..len].to_owned());
-                }
-            };
-            let Some(body) = body else { continue };
-            if let Ok(v) = serde_json::from_str(&body) {
-                let _ = tx.send(v);
-            }
-            let answer = r#"{"id":"x","object":"chat.completion","created":0,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}"#;
-            let _ = write!(
-                c,
-                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{answer}",
-                answer.len()
-            );
+            answer_one(&mut c, &tx);
         }
     });
     (addr, rx)
+}
+
+/// [`mock_openai`] over TLS with `cert` (its chain) and `key`: a connection whose handshake
+/// fails (its client does not trust the certificate) is dropped unanswered.
+fn mock_openai_tls(
+    cert: Vec<rustls::pki_types::CertificateDer<'static>>,
+    key: rustls::pki_types::PrivateKeyDer<'static>,
+) -> (String, mpsc::Receiver<serde_json::Value>) {
+    let config = std::sync::Arc::new(
+        rustls::ServerConfig::builder()
+            .with_no_client_auth()
+            .with_single_cert(cert, key)
+            .expect("server certificate"),
+    );
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr").to_string();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(c) = conn else { break };
+            c.set_read_timeout(Some(Duration::from_secs(10))).ok();
+            let tls = rustls::ServerConnection::new(config.clone()).expect("tls");
+            let mut s = rustls::StreamOwned::new(tls, c);
+            answer_one(&mut s, &tx);
+        }
+    });
+    (addr, rx)
+}
+
+/// Reads one request from `c`, sends its JSON body over `tx` and answers it.
+fn answer_one(c: &mut (impl Read + Write), tx: &mpsc::Sender<serde_json::Value>) {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let body = loop {
+        let n = match c.read(&mut chunk) {
+            Ok(0) | Err(_) => break None,
+            Ok(n) => n,
+        };
+        buf.extend_from_slice(&chunk[..n]);
+        let text = String::from_utf8_lossy(&buf).to_string();
+        let Some((head, rest)) = text.split_once("\r\n\r\n") else {
+            continue;
+        };
+        let len = head
+            .lines()
+            .find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                k.eq_ignore_ascii_case("content-length")
+                    .then(|| v.trim().parse::<usize>().ok())?
+            })
+            .unwrap_or(0);
+        if rest.len() >= len {
+            break Some(rest[..len].to_owned());
+        }
+    };
+    let Some(body) = body else { return };
+    if let Ok(v) = serde_json::from_str(&body) {
+        let _ = tx.send(v);
+    }
+    let answer = r#"{"id":"x","object":"chat.completion","created":0,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}"#;
+    let _ = write!(
+        c,
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{answer}",
+        answer.len()
+    );
+    let _ = c.flush();
 }
 
 /// Item 8: the output cap tollgate sends is announced, the route's default applies, and
@@ -538,4 +572,126 @@ audit: {{sink: off}}
     assert_eq!(sent["max_completion_tokens"], 1024, "{sent}");
     let (st, _) = s.stop();
     assert!(st.success());
+}
+
+/// A private CA and a certificate it signed for `localhost` and 127.0.0.1: (the CA's PEM, the
+/// server's chain, its key).
+fn private_ca() -> (
+    String,
+    Vec<rustls::pki_types::CertificateDer<'static>>,
+    rustls::pki_types::PrivateKeyDer<'static>,
+) {
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(rcgen::DnType::CommonName, "tollgate test CA");
+    ca.key_usages = vec![
+        rcgen::KeyUsagePurpose::KeyCertSign,
+        rcgen::KeyUsagePurpose::CrlSign,
+        rcgen::KeyUsagePurpose::DigitalSignature,
+    ];
+    let ca = rcgen::CertifiedIssuer::self_signed(ca, rcgen::KeyPair::generate().expect("key"))
+        .expect("CA");
+    let key = rcgen::KeyPair::generate().expect("key");
+    let leaf =
+        rcgen::CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+            .expect("params")
+            .signed_by(&key, &ca)
+            .expect("server certificate");
+    let key = rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).expect("key der");
+    (ca.pem(), vec![leaf.der().clone()], key)
+}
+
+/// An upstream behind a private CA: trusted when `SSL_CERT_FILE` names the CA's certificate,
+/// refused (never called in clear, never answered) when it does not, and a file that cannot
+/// be used stops the start with the variable named.
+#[test]
+fn an_upstream_behind_a_private_ca_is_trusted_through_ssl_cert_file() {
+    let (ca_pem, chain, key) = private_ca();
+    let (up, bodies) = mock_openai_tls(chain, key);
+    let port = up.rsplit(':').next().expect("port");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, &ca_pem).expect("write CA");
+    let policy = dir.path().join("policy.yaml");
+    std::fs::write(
+        &policy,
+        format!(
+            "version: private-ca
+backends:
+  - {{id: internal, kind: openai, base_url: 'https://localhost:{port}/v1'}}
+routes:
+  - model: chat
+    chain: [{{backend: internal, model: m}}]
+state: {{backend: memory}}
+audit: {{sink: off}}
+"
+        ),
+    )
+    .expect("write policy");
+    let policy = policy.to_str().expect("utf-8 path");
+    let ask = r#"{"model":"chat","messages":[{"role":"user","content":"hi"}],"max_tokens":5}"#;
+
+    // Trusted: the call goes through TLS to the upstream and its answer comes back.
+    let mut s = Sidecar::start(
+        dir.path(),
+        &[
+            ("TOLLGATE_POLICY", policy),
+            ("SSL_CERT_FILE", ca.to_str().expect("utf-8 path")),
+        ],
+    );
+    let said = s.wait_for("SSL_CERT_FILE");
+    assert!(said.contains("certificates=1"), "{said}");
+    let (status, head, text) = http(&s.addr, "POST", "/v1/chat/completions", Some(ask));
+    assert_eq!(status, 200, "{head}\n{text}");
+    assert!(text.contains(r#""content":"ok""#), "{text}");
+    assert!(head.contains("x-tollgate-backend: internal"), "{head}");
+    let sent = bodies
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the upstream got the call");
+    assert_eq!(sent["model"], "m", "{sent}");
+    let (st, _) = s.stop();
+    assert!(st.success());
+
+    // Not trusted (the compiled-in roots only): no answer, and nothing reached the upstream.
+    let s = Sidecar::start(dir.path(), &[("TOLLGATE_POLICY", policy)]);
+    let (status, head, text) = http(&s.addr, "POST", "/v1/chat/completions", Some(ask));
+    assert!(status >= 500, "{status} {head}\n{text}");
+    assert!(!text.contains(r#""content":"ok""#), "{text}");
+    assert!(
+        head.contains("x-tollgate-action:"),
+        "a governed refusal: {head}"
+    );
+    assert!(
+        bodies.recv_timeout(Duration::from_millis(300)).is_err(),
+        "the upstream was called without a trusted certificate"
+    );
+    let (st, _) = s.stop();
+    assert!(st.success());
+
+    // A file that cannot be used: refused at start, exit 2, the variable and the path named.
+    for (bad, why) in [
+        (dir.path().join("missing.pem"), "cannot read it"),
+        (policy.into(), "holds no certificate"),
+    ] {
+        let out = tollgate(dir.path())
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+            ])
+            .env("TOLLGATE_POLICY", policy)
+            .env("SSL_CERT_FILE", &bad)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run tollgate");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(
+            err.contains(&format!("SSL_CERT_FILE={}", bad.display())) && err.contains(why),
+            "{err}"
+        );
+    }
 }

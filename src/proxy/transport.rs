@@ -98,7 +98,7 @@ impl Transport {
                 http.set_connect_timeout(Some(connect));
                 http.set_keepalive(Some(Duration::from_secs(60)));
                 let https = hyper_rustls::HttpsConnectorBuilder::new()
-                    .with_webpki_roots()
+                    .with_tls_config(crate::tls::client_config())
                     .https_or_http()
                     .enable_http1()
                     .enable_http2()

@@ -110,7 +110,7 @@ fn client() -> HttpsClient {
     let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
     http.enforce_http(false);
     let https = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_webpki_roots()
+        .with_tls_config(crate::tls::client_config())
         .https_or_http()
         .enable_http1()
         .wrap_connector(http);

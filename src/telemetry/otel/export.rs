@@ -51,7 +51,7 @@ impl HyperClient {
         http.set_nodelay(true);
         http.set_connect_timeout(Some(timeout.min(Duration::from_secs(5))));
         let https = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_webpki_roots()
+            .with_tls_config(crate::tls::client_config())
             .https_or_http()
             .enable_http1()
             .enable_http2()
