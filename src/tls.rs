@@ -19,7 +19,6 @@ pub const CA_FILE_VAR: &str = "SSL_CERT_FILE";
 /// The roots, made once: `Err` says why `SSL_CERT_FILE` could not be used.
 static ROOTS: OnceLock<Result<Roots, String>> = OnceLock::new();
 
-#[derive(Clone)]
 struct Roots {
     store: Arc<RootCertStore>,
     /// Certificates added from `SSL_CERT_FILE`.
