@@ -34,11 +34,16 @@ fn roots() -> &'static Result<Roots, String> {
     )
 }
 
+/// The Mozilla roots compiled into the binary.
+fn compiled_in() -> RootCertStore {
+    RootCertStore {
+        roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
+    }
+}
+
 fn webpki_only() -> Roots {
     Roots {
-        store: Arc::new(RootCertStore {
-            roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
-        }),
+        store: Arc::new(compiled_in()),
         added: 0,
     }
 }
@@ -47,9 +52,7 @@ fn webpki_only() -> Roots {
 fn with_file(path: &Path) -> Result<Roots, String> {
     let at = || format!("{CA_FILE_VAR}={}", path.display());
     let pem = std::fs::read(path).map_err(|e| format!("{}: cannot read it: {e}", at()))?;
-    let mut store = RootCertStore {
-        roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
-    };
+    let mut store = compiled_in();
     let mut added = 0;
     for cert in CertificateDer::pem_slice_iter(&pem) {
         let cert = cert.map_err(|e| format!("{}: not a PEM file of certificates: {e}", at()))?;
@@ -81,7 +84,7 @@ pub fn init() -> Result<usize, String> {
 pub fn client_config() -> ClientConfig {
     let store = match roots() {
         Ok(r) => r.store.clone(),
-        Err(_) => webpki_only().store,
+        Err(_) => Arc::new(compiled_in()),
     };
     ClientConfig::builder()
         .with_root_certificates(store)
@@ -150,6 +153,8 @@ mod tests {
         // The test process sets no SSL_CERT_FILE (CI does not): the roots are webpki's.
         if std::env::var_os(CA_FILE_VAR).is_none() {
             assert_eq!(init(), Ok(0));
+            let r = roots().as_ref().expect("usable");
+            assert_eq!(r.store.len(), webpki_roots::TLS_SERVER_ROOTS.len());
         }
         let c = client_config();
         assert!(c.alpn_protocols.is_empty(), "the connector sets ALPN");
