@@ -189,14 +189,9 @@ pub fn status(app: &App, ops: &Ops) -> Value {
         let st = tel.stats.get(&b.id);
         let (ok, failed, avg) = st.as_ref().map_or((0, 0, None), |s| s.recent(minute));
         let rate = (ok + failed > 0).then(|| ok as f64 / (ok + failed) as f64);
-        let (all_ok, all_failed) = st.as_ref().map_or((0, 0), |s| {
-            (
-                s.ok.load(std::sync::atomic::Ordering::Relaxed),
-                s.failed.load(std::sync::atomic::Ordering::Relaxed),
-            )
-        });
-        let [tin, tout] = st.as_ref().map_or([0, 0], |s| s.tokens_day.get(uw.day));
-        let [cost] = st.as_ref().map_or([0], |s| s.cost_month.get(uw.month));
+        let (all_ok, all_failed) = st.as_ref().map_or((0, 0), |s| s.attempts());
+        let [tin, tout] = st.as_ref().map_or([0, 0], |s| s.tokens_day(uw.day));
+        let cost = st.as_ref().map_or(0, |s| s.cost_month(uw.month));
         tokens_today.insert(b.id.to_string(), json!(tin + tout));
         backends.push(json!({
             "id": &*b.id,
@@ -218,7 +213,7 @@ pub fn status(app: &App, ops: &Ops) -> Value {
         .stats
         .all()
         .iter()
-        .map(|s| s.cost_month.get(uw.month)[0])
+        .map(|s| s.cost_month(uw.month))
         .sum();
     let tokens_total: u64 = tokens_today.values().filter_map(Value::as_u64).sum();
 

@@ -201,7 +201,11 @@ impl Circuit {
 
     /// A call (normal or probe) succeeded, or the backend answered at all.
     pub fn on_success(&self, probe: Option<ProbeSlot>) {
-        self.failures.store(0, Ordering::Release);
+        // Written only when there is something to clear: a store on every success made the
+        // circuit's line one every connection worker wrote, where it is read on every request.
+        if self.failures.load(Ordering::Acquire) != 0 {
+            self.failures.store(0, Ordering::Release);
+        }
         if probe.is_some() || self.raw_state() == CircuitState::HalfOpen {
             self.state
                 .store(CircuitState::Closed as u8, Ordering::Release);

@@ -100,11 +100,23 @@ pub struct Outcome<T> {
     pub served: Served<T>,
 }
 
+/// Circuits a thread keeps from its last look-ups ([`Governor::circuit`]): a chain's
+/// backends, most often the first.
+const NEAR_CIRCUITS_KEPT: usize = 4;
+
+type KeptCircuit = (u64, Arc<str>, Arc<Circuit>);
+
+thread_local! {
+    static NEAR_CIRCUITS: std::cell::RefCell<Vec<KeptCircuit>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Shared, long-lived state of the core: the ledger and one circuit per backend id.
 /// Both survive policy reloads.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Governor {
     pub ledger: Arc<Ledger>,
+    /// This governor among all made in the process (what a thread's kept circuits are of).
+    instance: u64,
     circuits: DashMap<Arc<str>, Arc<Circuit>, foldhash::quality::RandomState>,
     /// The current windows, recomputed only when the minute turns (or the zone changes).
     windows: ArcSwapOption<(String, WindowSet)>,
@@ -115,8 +127,10 @@ pub struct Governor {
 
 impl Governor {
     pub fn new(ledger: Arc<Ledger>) -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Governor {
             ledger,
+            instance: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             circuits: DashMap::default(),
             windows: ArcSwapOption::empty(),
             shared: None,
@@ -149,8 +163,36 @@ impl Governor {
         set
     }
 
-    /// The circuit of a backend, created CLOSED on first use.
+    /// The circuit of a backend, created CLOSED on first use. The last few a thread found are
+    /// kept with their id (held, so an equal pointer is the same id) and this governor's
+    /// number: the map's look-up takes its shard's lock, a write to a line every connection
+    /// worker shares, on every request.
     pub fn circuit(&self, backend_id: &Arc<str>) -> Arc<Circuit> {
+        let me = self.instance;
+        let kept = NEAR_CIRCUITS
+            .try_with(|n| {
+                n.borrow()
+                    .iter()
+                    .find(|(g, id, _)| *g == me && Arc::ptr_eq(id, backend_id))
+                    .map(|(_, _, c)| c.clone())
+            })
+            .ok()
+            .flatten();
+        if let Some(c) = kept {
+            return c;
+        }
+        let c = self.circuit_in_map(backend_id);
+        let _ = NEAR_CIRCUITS.try_with(|n| {
+            let mut n = n.borrow_mut();
+            if n.len() == NEAR_CIRCUITS_KEPT {
+                n.remove(0);
+            }
+            n.push((me, backend_id.clone(), c.clone()));
+        });
+        c
+    }
+
+    fn circuit_in_map(&self, backend_id: &Arc<str>) -> Arc<Circuit> {
         if let Some(c) = self.circuits.get(backend_id) {
             return c.clone();
         }
@@ -165,7 +207,9 @@ impl Governor {
             .collect()
     }
 
-    /// Drops circuits of backends no longer in the policy (after a reload).
+    /// Drops circuits of backends no longer in the policy (after a reload). A thread's kept
+    /// look-up of a dropped one is keyed by the old policy's id, which the new policy's
+    /// requests do not carry.
     pub fn retain_circuits(&self, keep: impl Fn(&str) -> bool) {
         self.circuits.retain(|k, _| keep(k));
     }

@@ -10,6 +10,7 @@ pub mod alerts;
 pub mod names;
 pub mod otel;
 pub mod scope;
+pub mod shard;
 pub mod stats;
 pub mod window;
 
@@ -17,10 +18,11 @@ use crate::audit::Entry;
 use crate::governor::{FinalAction, ReasonClass};
 use crate::ledger::WindowSet;
 use crate::policy::{AlertsCfg, Policy};
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use names::*;
+use shard::Sharded;
 use stats::{Stats, UsageWindows};
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 /// How often the recorder's histograms are drained between scrapes.
@@ -32,62 +34,39 @@ pub struct Telemetry {
     handle: Option<PrometheusHandle>,
     pub stats: Stats,
     pub alerts: alerts::Alerts,
-    /// `tollgate_decisions_total` per (action, reason), resolved once: index
-    /// `action × ReasonClass::ALL.len() + reason`. All series exist from the start, at 0.
-    decisions: Vec<metrics::Counter>,
-    /// `tollgate_requests_total` per dialect, in `Dialect::ALL` order.
-    apis: Vec<metrics::Counter>,
-    overhead: metrics::Histogram,
+    /// The request path's process-wide counters, split by thread.
+    counts: Sharded<Counters>,
 }
+
+/// One thread's copy of the process-wide counters every request adds to.
+#[derive(Debug, Default)]
+struct Counters {
+    /// `tollgate_decisions_total` per (action, reason): index
+    /// `action × ReasonClass::ALL.len() + reason`. All series exist from the start, at 0.
+    decisions: shard::Counts<DECISIONS>,
+    /// `tollgate_requests_total` per dialect, in `Dialect::ALL` order.
+    apis: shard::Counts<APIS>,
+    /// `tollgate_overhead_seconds`.
+    overhead: shard::Histogram,
+}
+
+const DECISIONS: usize = FinalAction::ALL.len() * ReasonClass::ALL.len();
+const APIS: usize = crate::dialect::Dialect::ALL.len();
 
 static GLOBAL: OnceLock<Telemetry> = OnceLock::new();
 
 /// The telemetry state, installing the Prometheus recorder on first use.
 pub fn global() -> &'static Telemetry {
-    GLOBAL.get_or_init(|| {
-        let handle = install();
-        let decisions = FinalAction::ALL
-            .iter()
-            .flat_map(|a| {
-                ReasonClass::ALL.iter().map(|r| {
-                    metrics::counter!(TOLLGATE_DECISIONS_TOTAL, "action" => a.as_str(), "reason" => r.as_str())
-                })
-            })
-            .collect();
-        let apis = crate::dialect::Dialect::ALL
-            .iter()
-            .map(|d| metrics::counter!(TOLLGATE_REQUESTS_TOTAL, "api" => d.as_str()))
-            .collect();
-        Telemetry {
-            handle,
-            apis,
-            stats: Stats::default(),
-            alerts: alerts::Alerts::default(),
-            decisions,
-            overhead: metrics::histogram!(TOLLGATE_OVERHEAD_SECONDS),
-        }
+    GLOBAL.get_or_init(|| Telemetry {
+        handle: install(),
+        stats: Stats::default(),
+        alerts: alerts::Alerts::default(),
+        counts: Sharded::default(),
     })
 }
 
 fn install() -> Option<PrometheusHandle> {
-    let builder = PrometheusBuilder::new()
-        .set_buckets_for_metric(
-            Matcher::Full(AI_REQUEST_DURATION_SECONDS.into()),
-            DURATION_BUCKETS,
-        )
-        .and_then(|b| {
-            b.set_buckets_for_metric(
-                Matcher::Full(TOLLGATE_OVERHEAD_SECONDS.into()),
-                OVERHEAD_BUCKETS,
-            )
-        });
-    let recorder = match builder {
-        Ok(b) => b.build_recorder(),
-        Err(e) => {
-            tracing::error!(error = %e, "metrics: bad bucket configuration; /metrics is off");
-            return None;
-        }
-    };
+    let recorder = PrometheusBuilder::new().build_recorder();
     let handle = recorder.handle();
     if metrics::set_global_recorder(recorder).is_err() {
         tracing::warn!("metrics: another recorder is installed; /metrics serves nothing");
@@ -114,10 +93,28 @@ impl Telemetry {
         self.alerts.configure(&policy.alerts);
     }
 
-    /// The Prometheus text of every metric (empty when another recorder is installed).
+    /// The Prometheus text of every metric: the recorder's (none when another recorder is
+    /// installed), then the request path's own, split by thread.
     pub fn render(&self) -> String {
+        use std::fmt::Write;
         let mut out = self.handle.as_ref().map(|h| h.render()).unwrap_or_default();
-        self.stats.render_cost(&mut out);
+        let c = &self.counts;
+        shard::header(&mut out, TOLLGATE_DECISIONS_TOTAL, "counter", TOLLGATE_DECISIONS_TOTAL_HELP);
+        for (a, action) in FinalAction::ALL.iter().enumerate() {
+            for (r, reason) in ReasonClass::ALL.iter().enumerate() {
+                let i = a * ReasonClass::ALL.len() + r;
+                let n = c.sum(|s| s.decisions.get(i));
+                let _ = writeln!(out, "{TOLLGATE_DECISIONS_TOTAL}{{action=\"{action}\",reason=\"{reason}\"}} {n}");
+            }
+        }
+        shard::header(&mut out, TOLLGATE_REQUESTS_TOTAL, "counter", TOLLGATE_REQUESTS_TOTAL_HELP);
+        for (i, d) in crate::dialect::Dialect::ALL.iter().enumerate() {
+            let n = c.sum(|s| s.apis.get(i));
+            let _ = writeln!(out, "{TOLLGATE_REQUESTS_TOTAL}{{api=\"{}\"}} {n}", d.as_str());
+        }
+        shard::header(&mut out, TOLLGATE_OVERHEAD_SECONDS, "histogram", TOLLGATE_OVERHEAD_SECONDS_HELP);
+        shard::render_histogram(&mut out, TOLLGATE_OVERHEAD_SECONDS, "", OVERHEAD_BUCKETS, c, |s| &s.overhead);
+        self.stats.render(&mut out);
         out
     }
 }
@@ -149,19 +146,17 @@ pub fn observe_stream(entry: &Entry, windows: WindowSet, alerts: &AlertsCfg) {
 fn record(entry: &Entry, overhead: bool, today: UsageWindows, alerts: &AlertsCfg) {
     let t = global();
     let rec = &entry.record;
+    let here = t.counts.here();
     let a = FinalAction::ALL.iter().position(|x| *x == rec.final_action);
     let r = ReasonClass::ALL.iter().position(|x| *x == rec.reason_class);
     if let (Some(a), Some(r)) = (a, r) {
-        if let Some(c) = t.decisions.get(a * ReasonClass::ALL.len() + r) {
-            c.increment(1);
-        }
+        here.decisions.add(a * ReasonClass::ALL.len() + r, 1);
     }
-    if let Some(c) = crate::dialect::Dialect::ALL
+    if let Some(i) = crate::dialect::Dialect::ALL
         .iter()
         .position(|d| d.as_str() == entry.api)
-        .and_then(|i| t.apis.get(i))
     {
-        c.increment(1);
+        here.apis.add(i, 1);
     }
     let now = crate::units::now_ms();
     let minute = now.div_euclid(60_000);
@@ -177,29 +172,27 @@ fn record(entry: &Entry, overhead: bool, today: UsageWindows, alerts: &AlertsCfg
             class => Some(class),
         };
         t.stats
-            .backend(&a.backend)
-            .attempt(minute, failure, a.latency_ms);
+            .with_backend(&a.backend, |b| b.attempt(minute, failure, a.latency_ms));
     }
     if overhead {
         let ms = (entry.latency_ms - upstream_ms as f64).max(0.0);
-        t.overhead.record(ms / 1000.0);
+        here.overhead.record(OVERHEAD_BUCKETS, ms / 1000.0);
     }
     // Settled usage of a call an upstream served (a passed-through client error is not).
     let served = rec.usage_evidence_state != crate::governor::UsageEvidence::None
         && rec.attempts.iter().any(|a| a.backend == rec.backend);
     if served {
-        let model = rec
-            .upstream_model
-            .clone()
-            .unwrap_or_else(|| Arc::from("unknown"));
-        // The served attempt's look-up is the thread's kept one (`Stats::backend`).
-        t.stats.backend(&rec.backend).usage(
-            today,
-            &model,
-            rec.actual_input_tokens,
-            rec.actual_output_tokens,
-            crate::units::usd_to_micros(rec.cost_usd),
-        );
+        let model = rec.upstream_model.as_deref().unwrap_or("unknown");
+        // The served attempt's look-up is the thread's kept one (`Stats::with_backend`).
+        t.stats.with_backend(&rec.backend, |b| {
+            b.usage(
+                today,
+                model,
+                rec.actual_input_tokens,
+                rec.actual_output_tokens,
+                crate::units::usd_to_micros(rec.cost_usd),
+            )
+        });
     }
     if rec.usage_over_reservation {
         metrics::counter!(names::TOLLGATE_USAGE_OVER_RESERVATION_TOTAL, "backend" => rec.backend.to_string())
@@ -214,6 +207,7 @@ fn record(entry: &Entry, overhead: bool, today: UsageWindows, alerts: &AlertsCfg
 mod tests {
     use super::*;
     use crate::governor::{AttemptRecord, CircuitState, Record, UsageEvidence};
+    use std::sync::Arc;
 
     /// Cost of the request-path hook for a served request with one attempt. A measurement,
     /// not a check: `cargo test --lib observe_cost -- --ignored --nocapture`.

@@ -2,7 +2,7 @@
 //! described once at start with its unit. Labels are bounded: backend ids and model names
 //! come from the policy, the rest from closed enums — never a request id, path or message.
 
-use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+use metrics::{describe_counter, describe_gauge, Unit};
 
 /// counter {provider, model, direction}: committed actual tokens.
 pub const AI_TOKENS_TOTAL: &str = "ai_tokens_total";
@@ -54,43 +54,19 @@ pub const OVERHEAD_BUCKETS: &[f64] = &[
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1,
 ];
 
-/// Registers help text and units with the recorder in force.
+/// Help texts of the metrics rendered by tollgate itself (split by thread: `shard`), not by
+/// the recorder.
+pub const TOLLGATE_REQUESTS_TOTAL_HELP: &str = "Governed requests by the client's dialect (api)";
+pub const AI_TOKENS_TOTAL_HELP: &str = "Committed actual tokens by backend (provider), upstream model and direction";
+pub const AI_REQUESTS_FAILED_TOTAL_HELP: &str = "Failed upstream attempts by backend and failure class (429, 5xx, timeout, connect, auth)";
+pub const AI_REQUESTS_TOTAL_HELP: &str = "Upstream attempts by backend and outcome (success/failure)";
+pub const AI_REQUEST_DURATION_SECONDS_HELP: &str = "Latency of one upstream attempt by backend";
+pub const TOLLGATE_OVERHEAD_SECONDS_HELP: &str = "Time spent in the sidecar itself per request, upstream attempts and waits excluded (buffered answers only)";
+pub const TOLLGATE_DECISIONS_TOTAL_HELP: &str = "Governed requests by final action and reason class";
+pub const AI_COST_USD_TOTAL_HELP: &str = "Committed cost in US dollars by backend";
+
+/// Registers help text and units with the recorder in force (the metrics it renders).
 pub fn describe() {
-    describe_counter!(
-        TOLLGATE_REQUESTS_TOTAL,
-        Unit::Count,
-        "Governed requests by the client's dialect (api)"
-    );
-    describe_counter!(
-        AI_TOKENS_TOTAL,
-        Unit::Count,
-        "Committed actual tokens by backend (provider), upstream model and direction"
-    );
-    describe_counter!(
-        AI_REQUESTS_FAILED_TOTAL,
-        Unit::Count,
-        "Failed upstream attempts by backend and failure class (429, 5xx, timeout, connect, auth)"
-    );
-    describe_counter!(
-        AI_REQUESTS_TOTAL,
-        Unit::Count,
-        "Upstream attempts by backend and outcome (success/failure)"
-    );
-    describe_histogram!(
-        AI_REQUEST_DURATION_SECONDS,
-        Unit::Seconds,
-        "Latency of one upstream attempt by backend"
-    );
-    describe_histogram!(
-        TOLLGATE_OVERHEAD_SECONDS,
-        Unit::Seconds,
-        "Time spent in the sidecar itself per request, upstream attempts and waits excluded (buffered answers only)"
-    );
-    describe_counter!(
-        TOLLGATE_DECISIONS_TOTAL,
-        Unit::Count,
-        "Governed requests by final action and reason class"
-    );
     describe_gauge!(
         TOLLGATE_CIRCUIT_STATE,
         "Circuit breaker state per backend: 0 closed, 1 half-open, 2 open"

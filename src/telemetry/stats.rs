@@ -1,11 +1,11 @@
-//! In-process counters behind `/admin/status` and the dashboard: per backend, atomics only,
-//! found through a lock-free map snapshot (`ArcSwap`), with the backend's Prometheus handles
-//! resolved once so the request path does no label formatting.
+//! In-process counters behind `/admin/status`, the dashboard and the per-backend Prometheus
+//! metrics: per backend, atomics only, split by thread ([`Sharded`]), found through a
+//! lock-free map snapshot (`ArcSwap`); the request path does no label formatting.
 
 use super::names::*;
+use super::shard::{header, render_histogram, Counts, Histogram, Sharded};
 use super::window::{Recent, Windowed};
 use arc_swap::ArcSwap;
-use metrics::{Counter, Histogram};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -24,57 +24,44 @@ pub struct UsageWindows {
     pub month: i64,
 }
 
-/// One backend's counters.
+/// One backend's counters, split by thread ([`Sharded`]): the request path adds to its
+/// thread's copy, readers sum the copies.
 #[derive(Debug)]
 pub struct BackendStats {
     pub id: Arc<str>,
-    /// Upstream attempts since start: successes, failures.
-    pub ok: AtomicU64,
-    pub failed: AtomicU64,
-    /// Per minute: successes, failures, latency µs.
-    pub recent: Recent<3, RECENT_MINUTES>,
-    /// Committed tokens today (input, output), keyed by the day's start.
-    pub tokens_day: Windowed<2>,
-    /// Committed cost this month, micro-dollars, keyed by the month's start.
-    pub cost_month: Windowed<1>,
-    /// Committed cost since start, micro-dollars: `ai_cost_usd_total` (rendered by us, since
-    /// the `metrics` crate's counters are integers and this one counts dollars).
-    pub cost_micros: AtomicU64,
-    m: Handles,
+    shards: Sharded<Shard>,
+    /// Committed tokens (input, output) by upstream model, grown on first sight of a model.
+    tokens: ArcSwap<Vec<ModelTokens>>,
 }
 
-#[derive(Debug)]
-struct Handles {
-    ok: Counter,
-    failure: Counter,
-    failed: [Counter; 5],
+/// One model's committed tokens (input, output) at one backend.
+type ModelTokens = (Arc<str>, Arc<Sharded<Counts<2>>>);
+
+/// One thread's copy of a backend's counters.
+#[derive(Debug, Default)]
+struct Shard {
+    /// Upstream attempts since start: successes, failures.
+    attempts: Counts<2>,
+    /// Failures by class, in [`FAILURE_CLASSES`] order.
+    failed: Counts<5>,
+    /// Per minute: successes, failures, latency µs.
+    recent: Recent<3, RECENT_MINUTES>,
+    /// Committed tokens today (input, output), keyed by the day's start.
+    tokens_day: Windowed<2>,
+    /// Committed cost this month, micro-dollars, keyed by the month's start.
+    cost_month: Windowed<1>,
+    /// Committed cost since start, micro-dollars: `ai_cost_usd_total`.
+    cost_micros: AtomicU64,
+    /// `ai_request_duration_seconds`.
     duration: Histogram,
-    /// (model, input, output) token counters, grown on first sight of a model.
-    tokens: ArcSwap<Vec<(Arc<str>, Counter, Counter)>>,
 }
 
 impl BackendStats {
     fn new(id: Arc<str>) -> Self {
-        let p = id.to_string();
-        let failed = FAILURE_CLASSES.map(
-            |c| metrics::counter!(AI_REQUESTS_FAILED_TOTAL, "provider" => p.clone(), "class" => c),
-        );
-        let m = Handles {
-            ok: metrics::counter!(AI_REQUESTS_TOTAL, "provider" => p.clone(), "outcome" => "success"),
-            failure: metrics::counter!(AI_REQUESTS_TOTAL, "provider" => p.clone(), "outcome" => "failure"),
-            failed,
-            duration: metrics::histogram!(AI_REQUEST_DURATION_SECONDS, "provider" => p),
-            tokens: ArcSwap::from_pointee(Vec::new()),
-        };
         BackendStats {
             id,
-            ok: AtomicU64::new(0),
-            failed: AtomicU64::new(0),
-            recent: Recent::default(),
-            tokens_day: Windowed::default(),
-            cost_month: Windowed::default(),
-            cost_micros: AtomicU64::new(0),
-            m,
+            shards: Sharded::default(),
+            tokens: ArcSwap::from_pointee(Vec::new()),
         }
     }
 
@@ -82,60 +69,97 @@ impl BackendStats {
     /// passed through counts as an answer: the backend is healthy).
     pub fn attempt(&self, minute: i64, failure: Option<&str>, latency_ms: i64) {
         let us = (latency_ms.max(0) as u64).saturating_mul(1000);
-        self.m.duration.record(latency_ms.max(0) as f64 / 1000.0);
+        let s = self.shards.here();
+        s.duration
+            .record(DURATION_BUCKETS, latency_ms.max(0) as f64 / 1000.0);
         match failure {
             None => {
-                self.ok.fetch_add(1, Ordering::Relaxed);
-                self.m.ok.increment(1);
-                self.recent.add(minute, [1, 0, us]);
+                s.attempts.add(0, 1);
+                s.recent.add(minute, [1, 0, us]);
             }
             Some(class) => {
-                self.failed.fetch_add(1, Ordering::Relaxed);
-                self.m.failure.increment(1);
+                s.attempts.add(1, 1);
                 if let Some(i) = FAILURE_CLASSES.iter().position(|c| *c == class) {
-                    self.m.failed[i].increment(1);
+                    s.failed.add(i, 1);
                 }
-                self.recent.add(minute, [0, 1, us]);
+                s.recent.add(minute, [0, 1, us]);
             }
         }
     }
 
     /// Committed usage of a served call (`micros`: its cost in micro-dollars).
-    pub fn usage(&self, w: UsageWindows, model: &Arc<str>, input: u64, output: u64, micros: u64) {
+    pub fn usage(&self, w: UsageWindows, model: &str, input: u64, output: u64, micros: u64) {
         let UsageWindows { day, month } = w;
-        self.tokens_day.add(day, [input, output]);
-        self.cost_month.add(month, [micros]);
-        self.cost_micros.fetch_add(micros, Ordering::Relaxed);
-        if let Some((_, i, o)) = self.m.tokens.load().iter().find(|(m, _, _)| m == model) {
-            // Counted through the snapshot's handles, without cloning them.
-            i.increment(input);
-            o.increment(output);
-            return;
+        let s = self.shards.here();
+        s.tokens_day.add(day, [input, output]);
+        s.cost_month.add(month, [micros]);
+        s.cost_micros.fetch_add(micros, Ordering::Relaxed);
+        let add = |t: &Sharded<Counts<2>>| {
+            let t = t.here();
+            t.add(0, input);
+            t.add(1, output);
+        };
+        if let Some((_, t)) = self.tokens.load().iter().find(|(m, _)| &**m == model) {
+            return add(t);
         }
-        let (i, o) = self.model_counters(model);
-        i.increment(input);
-        o.increment(output);
+        add(&self.model_tokens(model));
     }
 
-    /// The token counters of a model first seen (added to the snapshot).
+    /// The token counters of a model first seen (added to the list).
     #[cold]
-    fn model_counters(&self, model: &Arc<str>) -> (Counter, Counter) {
-        let (p, m) = (self.id.to_string(), model.to_string());
-        let i = metrics::counter!(AI_TOKENS_TOTAL, "provider" => p.clone(), "model" => m.clone(), "direction" => "input");
-        let o = metrics::counter!(AI_TOKENS_TOTAL, "provider" => p, "model" => m, "direction" => "output");
-        self.m.tokens.rcu(|v| {
-            let mut v = (**v).clone();
-            if !v.iter().any(|(x, _, _)| x == model) {
-                v.push((model.clone(), i.clone(), o.clone()));
+    fn model_tokens(&self, model: &str) -> Arc<Sharded<Counts<2>>> {
+        let fresh: Arc<Sharded<Counts<2>>> = Arc::default();
+        let mut out = fresh.clone();
+        self.tokens.rcu(|v| {
+            if let Some((_, t)) = v.iter().find(|(m, _)| &**m == model) {
+                out = t.clone();
+                return v.clone();
             }
-            v
+            out = fresh.clone();
+            let mut v = (**v).clone();
+            v.push((Arc::from(model), fresh.clone()));
+            Arc::new(v)
         });
-        (i, o)
+        out
+    }
+
+    /// Upstream attempts since start: (successes, failures).
+    pub fn attempts(&self) -> (u64, u64) {
+        (
+            self.shards.sum(|s| s.attempts.get(0)),
+            self.shards.sum(|s| s.attempts.get(1)),
+        )
+    }
+
+    /// Committed tokens (input, output) in the day that starts at `day`.
+    pub fn tokens_day(&self, day: i64) -> [u64; 2] {
+        let mut t = [0u64; 2];
+        for s in self.shards.all() {
+            let [i, o] = s.tokens_day.get(day);
+            t = [t[0].saturating_add(i), t[1].saturating_add(o)];
+        }
+        t
+    }
+
+    /// Committed cost, micro-dollars, in the month that starts at `month`.
+    pub fn cost_month(&self, month: i64) -> u64 {
+        self.shards.sum(|s| s.cost_month.get(month)[0])
+    }
+
+    /// Committed cost since start, micro-dollars.
+    pub fn cost_micros(&self) -> u64 {
+        self.shards.sum(|s| s.cost_micros.load(Ordering::Relaxed))
     }
 
     /// (successes, failures, average latency ms) over the recent window, at `minute`.
     pub fn recent(&self, minute: i64) -> (u64, u64, Option<f64>) {
-        let [ok, failed, us] = self.recent.sum(minute);
+        let mut sums = [0u64; 3];
+        for s in self.shards.all() {
+            for (a, b) in sums.iter_mut().zip(s.recent.sum(minute)) {
+                *a = a.saturating_add(b);
+            }
+        }
+        let [ok, failed, us] = sums;
         let n = ok + failed;
         (ok, failed, (n > 0).then(|| us as f64 / n as f64 / 1000.0))
     }
@@ -167,26 +191,32 @@ thread_local! {
 }
 
 impl Stats {
-    /// The stats of `id`, created on first use (rare: once per backend id). The last one a
-    /// thread found is kept with its id (held, so an equal pointer is the same id) and the
-    /// `Stats` it came from: consecutive requests mostly go to one backend, and the map's
-    /// snapshot load and hash cost ~200 instructions a look-up. Entries are never removed,
-    /// so a kept one stays the map's.
-    pub fn backend(&self, id: &Arc<str>) -> Arc<BackendStats> {
+    /// Runs `f` on the stats of `id`, created on first use (rare: once per backend id). The
+    /// last one a thread found is kept with its id (held, so an equal pointer is the same id)
+    /// and the `Stats` it came from: consecutive requests mostly go to one backend, and the
+    /// map's snapshot load and hash cost ~200 instructions a look-up. Entries are never
+    /// removed, so a kept one stays the map's. Lent, not cloned: a clone's count would be a
+    /// line every worker writes.
+    pub fn with_backend<R>(&self, id: &Arc<str>, f: impl FnOnce(&BackendStats) -> R) -> R {
         let me = self.instance;
+        let mut f = Some(f);
         let kept = LAST_BACKEND
             .try_with(|l| match &*l.borrow() {
-                Some((at, k, s)) if *at == me && Arc::ptr_eq(k, id) => Some(s.clone()),
+                Some((at, k, s)) if *at == me && Arc::ptr_eq(k, id) => f.take().map(|f| f(s)),
                 _ => None,
             })
             .ok()
             .flatten();
-        if let Some(s) = kept {
-            return s;
+        if let Some(r) = kept {
+            return r;
         }
         let s = self.find_or_add(id);
         let _ = LAST_BACKEND.try_with(|l| *l.borrow_mut() = Some((me, id.clone(), s.clone())));
-        s
+        match f.take() {
+            Some(f) => f(&s),
+            // Taken only by a kept look-up, which returned.
+            None => unreachable!("the closure runs once"),
+        }
     }
 
     fn find_or_add(&self, id: &Arc<str>) -> Arc<BackendStats> {
@@ -221,22 +251,54 @@ impl Stats {
         v
     }
 
-    /// `ai_cost_usd_total` in the Prometheus text format (a float counter).
-    pub fn render_cost(&self, out: &mut String) {
+    /// The per-backend metrics in the Prometheus text format: `ai_requests_total`,
+    /// `ai_requests_failed_total`, `ai_tokens_total`, `ai_request_duration_seconds` and
+    /// `ai_cost_usd_total` (a float counter). Nothing before the first backend is seen.
+    pub fn render(&self, out: &mut String) {
         use std::fmt::Write;
         let all = self.all();
         if all.is_empty() {
             return;
         }
-        out.push_str("# HELP ai_cost_usd_total Committed cost in US dollars by backend\n");
-        out.push_str("# TYPE ai_cost_usd_total counter\n");
-        for b in all {
-            let usd = b.cost_micros.load(Ordering::Relaxed) as f64 / 1e6;
-            let _ = writeln!(
-                out,
-                "ai_cost_usd_total{{provider=\"{}\"}} {usd}",
-                escape(&b.id)
-            );
+        header(out, AI_REQUESTS_TOTAL, "counter", AI_REQUESTS_TOTAL_HELP);
+        for b in &all {
+            let (ok, failed) = b.attempts();
+            let p = escape(&b.id);
+            let _ = writeln!(out, "{AI_REQUESTS_TOTAL}{{provider=\"{p}\",outcome=\"success\"}} {ok}");
+            let _ = writeln!(out, "{AI_REQUESTS_TOTAL}{{provider=\"{p}\",outcome=\"failure\"}} {failed}");
+        }
+        header(out, AI_REQUESTS_FAILED_TOTAL, "counter", AI_REQUESTS_FAILED_TOTAL_HELP);
+        for b in &all {
+            let p = escape(&b.id);
+            for (i, class) in FAILURE_CLASSES.iter().enumerate() {
+                let n = b.shards.sum(|s| s.failed.get(i));
+                let _ = writeln!(out, "{AI_REQUESTS_FAILED_TOTAL}{{provider=\"{p}\",class=\"{class}\"}} {n}");
+            }
+        }
+        let tokens: Vec<_> = all.iter().map(|b| (b, b.tokens.load_full())).collect();
+        if tokens.iter().any(|(_, t)| !t.is_empty()) {
+            header(out, AI_TOKENS_TOTAL, "counter", AI_TOKENS_TOTAL_HELP);
+            for (b, models) in &tokens {
+                let p = escape(&b.id);
+                for (m, t) in models.iter() {
+                    let m = escape(m);
+                    for (i, dir) in ["input", "output"].iter().enumerate() {
+                        let n = t.sum(|s| s.get(i));
+                        let _ = writeln!(out, "{AI_TOKENS_TOTAL}{{provider=\"{p}\",model=\"{m}\",direction=\"{dir}\"}} {n}");
+                    }
+                }
+            }
+        }
+        header(out, AI_REQUEST_DURATION_SECONDS, "histogram", AI_REQUEST_DURATION_SECONDS_HELP);
+        for b in &all {
+            let labels = format!("provider=\"{}\"", escape(&b.id));
+            let h = &b.shards;
+            render_histogram(out, AI_REQUEST_DURATION_SECONDS, &labels, DURATION_BUCKETS, h, |s| &s.duration);
+        }
+        header(out, AI_COST_USD_TOTAL, "counter", AI_COST_USD_TOTAL_HELP);
+        for b in &all {
+            let usd = b.cost_micros() as f64 / 1e6;
+            let _ = writeln!(out, "{AI_COST_USD_TOTAL}{{provider=\"{}\"}} {usd}", escape(&b.id));
         }
     }
 }
@@ -250,21 +312,22 @@ pub fn escape(v: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::Stats;
+    use super::{BackendStats, Stats};
     use std::sync::Arc;
 
     #[test]
     fn a_kept_look_up_is_of_its_own_stats() {
+        let at = |s: &Stats, id: &Arc<str>| s.with_backend(id, |b| b as *const BackendStats);
         let id: Arc<str> = Arc::from("b1");
         let (a, b) = (Stats::default(), Stats::default());
-        let sa = a.backend(&id);
+        let sa = at(&a, &id);
         // The same id in another `Stats` (the thread keeps `a`'s): `b`'s own entry.
-        let sb = b.backend(&id);
-        assert!(!Arc::ptr_eq(&sa, &sb));
-        assert!(Arc::ptr_eq(&b.backend(&id), &sb));
-        assert!(Arc::ptr_eq(&a.backend(&id), &sa));
+        let sb = at(&b, &id);
+        assert_ne!(sa, sb);
+        assert_eq!(at(&b, &id), sb);
+        assert_eq!(at(&a, &id), sa);
         // An equal id under another pointer finds the same entry through the map.
-        assert!(Arc::ptr_eq(&a.backend(&Arc::from("b1")), &sa));
-        assert!(Arc::ptr_eq(&a.get("b1").unwrap(), &sa));
+        assert_eq!(at(&a, &Arc::from("b1")), sa);
+        assert_eq!(Arc::as_ptr(&a.get("b1").unwrap()), sa);
     }
 }
