@@ -1,6 +1,10 @@
 //! The whole decision for an allowed request (gates, reservation across every counter,
-//! circuit admission, the call through a no-op upstream, settle) and circuit admission alone.
+//! circuit admission, the call through a no-op upstream, settle), at one thread and at two at
+//! once (two connection workers: `iter_custom`, the wall time of all iterations split over
+//! both, i.e. inverse throughput), and circuit admission alone.
 
+#[path = "common/mod.rs"]
+mod common;
 use criterion::{criterion_group, criterion_main, Criterion};
 use futures_util::FutureExt;
 use std::future::Future;
@@ -67,37 +71,59 @@ fn bench(c: &mut Criterion) {
     let consumers: Vec<Arc<str>> = (0..16)
         .map(|i| Arc::from(format!("consumer-{i}")))
         .collect();
+    let decide = |i: usize| {
+        let ctx = RequestCtx {
+            request_id: jobs[i % 1024].clone(),
+            job_id: jobs[i % 1024].clone(),
+            consumer: consumers[i % 16].clone(),
+            team: None,
+            input_tokens: 500,
+            max_output_tokens: Some(500),
+            n: 1,
+            static_ok: true,
+        };
+        let out = gov
+            .govern(&policy, &route, &ctx, &Instant200, &clock)
+            .now_or_never()
+            .expect("ready");
+        let mut rec = out.record;
+        if let Served::Upstream { pending, .. } = out.served {
+            gov.settle(
+                &policy,
+                &mut rec,
+                *pending,
+                Usage::new(480, 200),
+                UsageEvidence::Actual,
+            );
+        }
+        rec
+    };
     let mut i = 0usize;
     c.bench_function(
         "decision/allowed request (govern + settle, 5 counters)",
         |b| {
             b.iter(|| {
                 i = i.wrapping_add(1);
-                let ctx = RequestCtx {
-                    request_id: jobs[i % 1024].clone(),
-                    job_id: jobs[i % 1024].clone(),
-                    consumer: consumers[i % 16].clone(),
-                    team: None,
-                    input_tokens: 500,
-                    max_output_tokens: Some(500),
-                    n: 1,
-                    static_ok: true,
-                };
-                let out = gov
-                    .govern(&policy, &route, &ctx, &Instant200, &clock)
-                    .now_or_never()
-                    .expect("ready");
-                let mut rec = out.record;
-                if let Served::Upstream { pending, .. } = out.served {
-                    gov.settle(
-                        &policy,
-                        &mut rec,
-                        *pending,
-                        Usage::new(480, 200),
-                        UsageEvidence::Actual,
-                    );
-                }
-                rec
+                decide(i)
+            })
+        },
+    );
+    // Both threads ask for the same consumers and jobs (as two workers serving one client);
+    // each counts its own requests (a shared count would be one more line between them).
+    thread_local! {
+        static NEXT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+    c.bench_function(
+        "decision/allowed request (govern + settle, 5 counters), 2 threads",
+        |b| {
+            b.iter_custom(|iters| {
+                common::two_threads(iters, &(), |_| {
+                    let i = NEXT.with(|n| {
+                        n.set(n.get().wrapping_add(1));
+                        n.get()
+                    });
+                    criterion::black_box(decide(i));
+                })
             })
         },
     );

@@ -14,10 +14,13 @@
 //! Each bench measures for about 2 s (0.5 s warm-up, no plots); the whole file runs in
 //! about 25 s on an idle 2-core machine.
 
+#[path = "common/mod.rs"]
+mod common;
+use common::two_threads;
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
 use std::collections::HashMap;
-use std::sync::{Arc, Barrier, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tollgate::ledger::*;
 use tollgate::units::*;
 
@@ -124,28 +127,6 @@ fn mutex_op(map: &Baseline, keys: &[CounterKey; 4], worst: u64, actual: u64) {
         e.1 += actual;
     }
     black_box(&*m);
-}
-
-/// Runs `op` `iters` times split over two threads started together; wall time.
-fn two_threads<S: Sync>(iters: u64, state: &S, op: impl Fn(&S) + Sync) -> Duration {
-    let barrier = Barrier::new(3);
-    let half = iters / 2;
-    std::thread::scope(|s| {
-        for n in [half, iters - half] {
-            let (barrier, op) = (&barrier, &op);
-            s.spawn(move || {
-                barrier.wait();
-                for _ in 0..n {
-                    op(state);
-                }
-            });
-        }
-        barrier.wait();
-        let start = Instant::now();
-        // Leaving the scope joins both threads.
-        start
-    })
-    .elapsed()
 }
 
 fn bench(c: &mut Criterion) {

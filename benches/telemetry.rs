@@ -8,9 +8,12 @@
 //!
 //!   cargo bench --bench telemetry
 
+#[path = "common/mod.rs"]
+mod common;
+use common::two_threads;
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
-use std::sync::{Arc, Barrier};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 use tollgate::audit::Entry;
 use tollgate::governor::{AttemptRecord, CircuitState, Governor, Record, UsageEvidence};
 use tollgate::ledger::{Ledger, WindowSet};
@@ -56,27 +59,6 @@ fn served() -> Entry {
         latency_ms: 1.2,
         record: rec,
     }
-}
-
-/// Runs `op` `iters` times split over two threads started together; wall time.
-fn two_threads<S: Sync>(iters: u64, state: &S, op: impl Fn(&S) + Sync) -> Duration {
-    let barrier = Barrier::new(3);
-    let half = iters / 2;
-    std::thread::scope(|s| {
-        for n in [half, iters - half] {
-            let (barrier, op) = (&barrier, &op);
-            s.spawn(move || {
-                barrier.wait();
-                for _ in 0..n {
-                    op(state);
-                }
-            });
-        }
-        barrier.wait();
-        // Leaving the scope joins both threads.
-        Instant::now()
-    })
-    .elapsed()
 }
 
 fn bench(c: &mut Criterion) {

@@ -209,12 +209,7 @@ pub fn status(app: &App, ops: &Ops) -> Value {
             "cost_month_usd": micros_to_usd(cost),
         }));
     }
-    let cost_month: u64 = tel
-        .stats
-        .all()
-        .iter()
-        .map(|s| s.cost_month(uw.month))
-        .sum();
+    let cost_month: u64 = tel.stats.all().iter().map(|s| s.cost_month(uw.month)).sum();
     let tokens_total: u64 = tokens_today.values().filter_map(Value::as_u64).sum();
 
     let limits: Vec<Value> = uses(app, policy, now_ms)

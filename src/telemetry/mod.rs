@@ -99,21 +99,50 @@ impl Telemetry {
         use std::fmt::Write;
         let mut out = self.handle.as_ref().map(|h| h.render()).unwrap_or_default();
         let c = &self.counts;
-        shard::header(&mut out, TOLLGATE_DECISIONS_TOTAL, "counter", TOLLGATE_DECISIONS_TOTAL_HELP);
+        shard::header(
+            &mut out,
+            TOLLGATE_DECISIONS_TOTAL,
+            "counter",
+            TOLLGATE_DECISIONS_TOTAL_HELP,
+        );
         for (a, action) in FinalAction::ALL.iter().enumerate() {
             for (r, reason) in ReasonClass::ALL.iter().enumerate() {
                 let i = a * ReasonClass::ALL.len() + r;
                 let n = c.sum(|s| s.decisions.get(i));
-                let _ = writeln!(out, "{TOLLGATE_DECISIONS_TOTAL}{{action=\"{action}\",reason=\"{reason}\"}} {n}");
+                let _ = writeln!(
+                    out,
+                    "{TOLLGATE_DECISIONS_TOTAL}{{action=\"{action}\",reason=\"{reason}\"}} {n}"
+                );
             }
         }
-        shard::header(&mut out, TOLLGATE_REQUESTS_TOTAL, "counter", TOLLGATE_REQUESTS_TOTAL_HELP);
+        shard::header(
+            &mut out,
+            TOLLGATE_REQUESTS_TOTAL,
+            "counter",
+            TOLLGATE_REQUESTS_TOTAL_HELP,
+        );
         for (i, d) in crate::dialect::Dialect::ALL.iter().enumerate() {
             let n = c.sum(|s| s.apis.get(i));
-            let _ = writeln!(out, "{TOLLGATE_REQUESTS_TOTAL}{{api=\"{}\"}} {n}", d.as_str());
+            let _ = writeln!(
+                out,
+                "{TOLLGATE_REQUESTS_TOTAL}{{api=\"{}\"}} {n}",
+                d.as_str()
+            );
         }
-        shard::header(&mut out, TOLLGATE_OVERHEAD_SECONDS, "histogram", TOLLGATE_OVERHEAD_SECONDS_HELP);
-        shard::render_histogram(&mut out, TOLLGATE_OVERHEAD_SECONDS, "", OVERHEAD_BUCKETS, c, |s| &s.overhead);
+        shard::header(
+            &mut out,
+            TOLLGATE_OVERHEAD_SECONDS,
+            "histogram",
+            TOLLGATE_OVERHEAD_SECONDS_HELP,
+        );
+        shard::render_histogram(
+            &mut out,
+            TOLLGATE_OVERHEAD_SECONDS,
+            "",
+            OVERHEAD_BUCKETS,
+            c,
+            |s| &s.overhead,
+        );
         self.stats.render(&mut out);
         out
     }

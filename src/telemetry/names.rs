@@ -57,12 +57,16 @@ pub const OVERHEAD_BUCKETS: &[f64] = &[
 /// Help texts of the metrics rendered by tollgate itself (split by thread: `shard`), not by
 /// the recorder.
 pub const TOLLGATE_REQUESTS_TOTAL_HELP: &str = "Governed requests by the client's dialect (api)";
-pub const AI_TOKENS_TOTAL_HELP: &str = "Committed actual tokens by backend (provider), upstream model and direction";
-pub const AI_REQUESTS_FAILED_TOTAL_HELP: &str = "Failed upstream attempts by backend and failure class (429, 5xx, timeout, connect, auth)";
-pub const AI_REQUESTS_TOTAL_HELP: &str = "Upstream attempts by backend and outcome (success/failure)";
+pub const AI_TOKENS_TOTAL_HELP: &str =
+    "Committed actual tokens by backend (provider), upstream model and direction";
+pub const AI_REQUESTS_FAILED_TOTAL_HELP: &str =
+    "Failed upstream attempts by backend and failure class (429, 5xx, timeout, connect, auth)";
+pub const AI_REQUESTS_TOTAL_HELP: &str =
+    "Upstream attempts by backend and outcome (success/failure)";
 pub const AI_REQUEST_DURATION_SECONDS_HELP: &str = "Latency of one upstream attempt by backend";
 pub const TOLLGATE_OVERHEAD_SECONDS_HELP: &str = "Time spent in the sidecar itself per request, upstream attempts and waits excluded (buffered answers only)";
-pub const TOLLGATE_DECISIONS_TOTAL_HELP: &str = "Governed requests by final action and reason class";
+pub const TOLLGATE_DECISIONS_TOTAL_HELP: &str =
+    "Governed requests by final action and reason class";
 pub const AI_COST_USD_TOTAL_HELP: &str = "Committed cost in US dollars by backend";
 
 /// Registers help text and units with the recorder in force (the metrics it renders).

@@ -264,15 +264,29 @@ impl Stats {
         for b in &all {
             let (ok, failed) = b.attempts();
             let p = escape(&b.id);
-            let _ = writeln!(out, "{AI_REQUESTS_TOTAL}{{provider=\"{p}\",outcome=\"success\"}} {ok}");
-            let _ = writeln!(out, "{AI_REQUESTS_TOTAL}{{provider=\"{p}\",outcome=\"failure\"}} {failed}");
+            let _ = writeln!(
+                out,
+                "{AI_REQUESTS_TOTAL}{{provider=\"{p}\",outcome=\"success\"}} {ok}"
+            );
+            let _ = writeln!(
+                out,
+                "{AI_REQUESTS_TOTAL}{{provider=\"{p}\",outcome=\"failure\"}} {failed}"
+            );
         }
-        header(out, AI_REQUESTS_FAILED_TOTAL, "counter", AI_REQUESTS_FAILED_TOTAL_HELP);
+        header(
+            out,
+            AI_REQUESTS_FAILED_TOTAL,
+            "counter",
+            AI_REQUESTS_FAILED_TOTAL_HELP,
+        );
         for b in &all {
             let p = escape(&b.id);
             for (i, class) in FAILURE_CLASSES.iter().enumerate() {
                 let n = b.shards.sum(|s| s.failed.get(i));
-                let _ = writeln!(out, "{AI_REQUESTS_FAILED_TOTAL}{{provider=\"{p}\",class=\"{class}\"}} {n}");
+                let _ = writeln!(
+                    out,
+                    "{AI_REQUESTS_FAILED_TOTAL}{{provider=\"{p}\",class=\"{class}\"}} {n}"
+                );
             }
         }
         let tokens: Vec<_> = all.iter().map(|b| (b, b.tokens.load_full())).collect();
@@ -289,16 +303,32 @@ impl Stats {
                 }
             }
         }
-        header(out, AI_REQUEST_DURATION_SECONDS, "histogram", AI_REQUEST_DURATION_SECONDS_HELP);
+        header(
+            out,
+            AI_REQUEST_DURATION_SECONDS,
+            "histogram",
+            AI_REQUEST_DURATION_SECONDS_HELP,
+        );
         for b in &all {
             let labels = format!("provider=\"{}\"", escape(&b.id));
             let h = &b.shards;
-            render_histogram(out, AI_REQUEST_DURATION_SECONDS, &labels, DURATION_BUCKETS, h, |s| &s.duration);
+            render_histogram(
+                out,
+                AI_REQUEST_DURATION_SECONDS,
+                &labels,
+                DURATION_BUCKETS,
+                h,
+                |s| &s.duration,
+            );
         }
         header(out, AI_COST_USD_TOTAL, "counter", AI_COST_USD_TOTAL_HELP);
         for b in &all {
             let usd = b.cost_micros() as f64 / 1e6;
-            let _ = writeln!(out, "{AI_COST_USD_TOTAL}{{provider=\"{}\"}} {usd}", escape(&b.id));
+            let _ = writeln!(
+                out,
+                "{AI_COST_USD_TOTAL}{{provider=\"{}\"}} {usd}",
+                escape(&b.id)
+            );
         }
     }
 }
