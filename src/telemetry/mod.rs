@@ -52,6 +52,16 @@ struct Counters {
 
 const DECISIONS: usize = FinalAction::ALL.len() * ReasonClass::ALL.len();
 const APIS: usize = crate::dialect::Dialect::ALL.len();
+const _: () = assert!(
+    DURATION_BUCKETS.len() < shard::MAX_BUCKETS && OVERHEAD_BUCKETS.len() < shard::MAX_BUCKETS,
+    "a histogram's bounds and +Inf must fit its buckets"
+);
+
+/// Where a decision's (action, reason) is counted in [`Counters::decisions`], by their
+/// positions in `FinalAction::ALL` and `ReasonClass::ALL`.
+fn decision_index(action: usize, reason: usize) -> usize {
+    action * ReasonClass::ALL.len() + reason
+}
 
 static GLOBAL: OnceLock<Telemetry> = OnceLock::new();
 
@@ -107,8 +117,7 @@ impl Telemetry {
         );
         for (a, action) in FinalAction::ALL.iter().enumerate() {
             for (r, reason) in ReasonClass::ALL.iter().enumerate() {
-                let i = a * ReasonClass::ALL.len() + r;
-                let n = c.sum(|s| s.decisions.get(i));
+                let n = c.sum(|s| s.decisions.get(decision_index(a, r)));
                 let _ = writeln!(
                     out,
                     "{TOLLGATE_DECISIONS_TOTAL}{{action=\"{action}\",reason=\"{reason}\"}} {n}"
@@ -179,7 +188,7 @@ fn record(entry: &Entry, overhead: bool, today: UsageWindows, alerts: &AlertsCfg
     let a = FinalAction::ALL.iter().position(|x| *x == rec.final_action);
     let r = ReasonClass::ALL.iter().position(|x| *x == rec.reason_class);
     if let (Some(a), Some(r)) = (a, r) {
-        here.decisions.add(a * ReasonClass::ALL.len() + r, 1);
+        here.decisions.add(decision_index(a, r), 1);
     }
     if let Some(i) = crate::dialect::Dialect::ALL
         .iter()

@@ -12,8 +12,8 @@ use crossbeam_utils::CachePadded;
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-/// Copies of each split counter. Threads take copies in turn as they first add; the
-/// connection workers start first and take their own.
+/// Copies of each split counter. Threads take copies in turn as they first add (mostly the
+/// connection workers, which finish the requests); a ninth shares the first's.
 pub const SHARDS: usize = 8;
 
 thread_local! {
@@ -67,6 +67,16 @@ impl<T> Sharded<T> {
     pub fn sum(&self, f: impl Fn(&T) -> u64) -> u64 {
         self.all().map(f).fold(0, u64::saturating_add)
     }
+
+    /// The sums over the copies of the `N` values `f` reads from one.
+    pub fn sums<const N: usize>(&self, f: impl Fn(&T) -> [u64; N]) -> [u64; N] {
+        self.all().map(f).fold([0; N], |mut acc, v| {
+            for (a, x) in acc.iter_mut().zip(v) {
+                *a = a.saturating_add(x);
+            }
+            acc
+        })
+    }
 }
 
 /// N plain sums.
@@ -93,7 +103,7 @@ impl<const N: usize> Counts<N> {
 }
 
 /// The most buckets a [`Histogram`] takes (its bounds, then `+Inf`).
-const MAX_BUCKETS: usize = 16;
+pub const MAX_BUCKETS: usize = 16;
 
 /// A Prometheus histogram's counts over fixed bounds (seconds), and its sum in nanoseconds.
 #[derive(Debug)]
@@ -122,7 +132,7 @@ impl Histogram {
             .unwrap_or(bounds.len())
             .min(MAX_BUCKETS - 1);
         self.counts[i].fetch_add(1, Ordering::Relaxed);
-        // `as` saturates: an absurd value cannot wrap the sum.
+        // `as` saturates: an absurd value is capped, not wrapped, on its way into the sum.
         self.sum_ns
             .fetch_add((secs * 1e9) as u64, Ordering::Relaxed);
     }
@@ -205,6 +215,7 @@ mod tests {
         let n = (SHARDS as u64 + 3) * 10_000;
         assert_eq!(c.sum(|s| s.get(0)), n);
         assert_eq!(c.sum(|s| s.get(1)), 2 * n);
+        assert_eq!(c.sums(|s| [s.get(0), s.get(1)]), [n, 2 * n]);
         // An index past the end is ignored, not a panic.
         c.here().add(5, 1);
         assert_eq!(c.sum(|s| s.get(5)), 0);

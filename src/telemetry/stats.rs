@@ -125,20 +125,13 @@ impl BackendStats {
 
     /// Upstream attempts since start: (successes, failures).
     pub fn attempts(&self) -> (u64, u64) {
-        (
-            self.shards.sum(|s| s.attempts.get(0)),
-            self.shards.sum(|s| s.attempts.get(1)),
-        )
+        let [ok, failed] = self.shards.sums(|s| [s.attempts.get(0), s.attempts.get(1)]);
+        (ok, failed)
     }
 
     /// Committed tokens (input, output) in the day that starts at `day`.
     pub fn tokens_day(&self, day: i64) -> [u64; 2] {
-        let mut t = [0u64; 2];
-        for s in self.shards.all() {
-            let [i, o] = s.tokens_day.get(day);
-            t = [t[0].saturating_add(i), t[1].saturating_add(o)];
-        }
-        t
+        self.shards.sums(|s| s.tokens_day.get(day))
     }
 
     /// Committed cost, micro-dollars, in the month that starts at `month`.
@@ -153,13 +146,7 @@ impl BackendStats {
 
     /// (successes, failures, average latency ms) over the recent window, at `minute`.
     pub fn recent(&self, minute: i64) -> (u64, u64, Option<f64>) {
-        let mut sums = [0u64; 3];
-        for s in self.shards.all() {
-            for (a, b) in sums.iter_mut().zip(s.recent.sum(minute)) {
-                *a = a.saturating_add(b);
-            }
-        }
-        let [ok, failed, us] = sums;
+        let [ok, failed, us] = self.shards.sums(|s| s.recent.sum(minute));
         let n = ok + failed;
         (ok, failed, (n > 0).then(|| us as f64 / n as f64 / 1000.0))
     }
