@@ -6,6 +6,44 @@
 //! against serde on many mutated bodies. Used by the answer scan (`providers`) and the
 //! request estimate's fast path (`estimate`).
 
+/// The objects and arrays of a JSON text (the `{` and `[` outside its strings), counted up
+/// to `most + 1`: the parsed form of a body costs memory per container far beyond the
+/// container's bytes, so a body with too many is refused before it is parsed. Not a
+/// validation: a malformed text is still counted, and serde_json then refuses it.
+pub(crate) fn containers(b: &[u8], most: usize) -> usize {
+    let (mut n, mut i) = (0, 0);
+    while i < b.len() {
+        match b[i] {
+            b'{' | b'[' => {
+                n += 1;
+                if n > most {
+                    return n;
+                }
+            }
+            b'"' => {
+                // To the closing quote (a backslash takes the byte after it along).
+                i += 1;
+                while i < b.len() {
+                    match special_at(&b[i..]) {
+                        None => i = b.len(),
+                        Some(at) => {
+                            i += at;
+                            match b[i] {
+                                b'"' => break,
+                                b'\\' => i += 2,
+                                _ => i += 1,
+                            }
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    n
+}
+
 /// Deeper nesting is left to serde_json (whose limit is 128).
 pub(crate) const MAX_DEPTH: u32 = 100;
 
@@ -301,6 +339,14 @@ impl<'a> P<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn containers_are_counted_outside_strings_and_capped() {
+        assert_eq!(containers(br#"{"a":[1,{"b":"{[{["}],"c":"\"[{"}"#, 99), 3);
+        assert_eq!(containers(b"[[[[[[", 3), 4);
+        assert_eq!(containers(br#""unterminated {"#, 9), 0);
+        assert_eq!(containers(b"", 9), 0);
+    }
 
     /// What `special_at` must find: the first byte the table flags.
     fn by_table(s: &[u8]) -> Option<usize> {

@@ -141,6 +141,9 @@ fn attempt(out: &mut Vec<u8>, a: &AttemptRecord) -> io::Result<()> {
     w.raw(k!("circuit_after"), a.circuit_after.as_str());
     w.int(k!("latency_ms"), a.latency_ms);
     w.int(k!("waited_ms"), a.waited_ms);
+    if a.committed_tokens > 0 {
+        w.int(k!("committed_tokens"), a.committed_tokens);
+    }
     w.out.push(b'}');
     Ok(())
 }
@@ -388,6 +391,7 @@ mod tests {
             circuit_after: CircuitState::Closed,
             latency_ms: 2,
             waited_ms: 0,
+            committed_tokens: 0,
         });
         let e = entry(r);
         assert_eq!(by_hand(&e), serde_json::to_string(&e).unwrap());
@@ -430,6 +434,7 @@ mod tests {
                 circuit_after: CircuitState::Open,
                 latency_ms: i64::MAX,
                 waited_ms: i64::MIN,
+                committed_tokens: 0,
             });
         }
         r.refusals.push(BoundNote {

@@ -236,6 +236,7 @@ mod tests {
                 circuit_after: CircuitState::Closed,
                 latency_ms: 1,
                 waited_ms: 0,
+                committed_tokens: 0,
             });
         }
         Entry {

@@ -607,7 +607,15 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
                 Err(self.skipped(walk, entry, tries, amount, made, why))
             }
             CallResult::Failed(failure) => {
-                drop(held.reservation);
+                let mut made = made;
+                if failure.billed {
+                    // The upstream took the call: what it may bill stays counted.
+                    let worst = held.reservation.amount();
+                    let _ = held.reservation.commit(worst);
+                    made.att.committed_tokens = worst.tokens;
+                } else {
+                    drop(held.reservation);
+                }
                 let (circuit, t1) = self.failed(walk, entry, tries, made, failure);
                 Err(self
                     .retry_or_move_on(walk, tries, (&circuit, t1), failure)
@@ -660,6 +668,7 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
             circuit_after: admitted.before,
             latency_ms: t1 - t0,
             waited_ms: tries.waited_ms,
+            committed_tokens: 0,
         };
         let made = Made { att, t1, admitted };
         (result, made)

@@ -153,6 +153,14 @@ pub struct AttemptRecord {
     pub latency_ms: i64,
     /// What was waited before this attempt (backoff or Retry-After), ms.
     pub waited_ms: i64,
+    /// Tokens committed for a failed attempt the upstream had accepted (its reserved worst
+    /// case); 0 otherwise (a served attempt's usage is the record's own).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub committed_tokens: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// A bound that refused or was checked, for the audit record.

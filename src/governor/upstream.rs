@@ -57,6 +57,9 @@ pub struct Failure {
     /// The backend will not serve for a long time (a per-day quota is used up): its circuit
     /// opens at once, for at least `retry_after_ms`, instead of counting one failure.
     pub long_outage: bool,
+    /// The upstream accepted the call (a 2xx head came) before it failed: it may have billed
+    /// it, so the attempt's reserved worst case is committed, never released.
+    pub billed: bool,
 }
 
 impl Failure {

@@ -27,7 +27,18 @@ impl V<'_> {
             let host = base_url
                 .strip_prefix("https://")
                 .or_else(|| base_url.strip_prefix("http://"));
-            if !host.is_some_and(|h| {
+            let authority = host.map(|h| h.split(['/', '?', '#']).next().unwrap_or(""));
+            if authority.is_some_and(|a| a.contains('@')) {
+                // Never echoed: the part before `@` is a credential.
+                self.err::<()>(
+                    f,
+                    p("base_url"),
+                    "must not carry credentials (`user:password@host`): they would be sent to \
+                     the upstream in clear and printed by `check`; put the key in api_key_env"
+                        .to_string(),
+                );
+                base_url = String::new();
+            } else if !host.is_some_and(|h| {
                 !h.is_empty() && !h.starts_with('/') && !h.contains(char::is_whitespace)
             }) {
                 self.err::<()>(

@@ -236,6 +236,7 @@ fn validation_errors() {
         (m.replace("version: lab-1\n", ""), "version", 1, "is required"),
         (m.replace("kind: openai", "kind: grpc"), "backends[0].kind", 4, "expected one of openai"),
         (m.replace("http://127.0.0.1:9/v1/", "ftp://x"), "backends[0].base_url", 5, "http:// or https://"),
+        (m.replace("http://127.0.0.1:9/v1/", "http://u:hunter2-pass@127.0.0.1:9/v1"), "backends[0].base_url", 5, "must not carry credentials"),
         (m.replace("    kind: openai\n", "    kind: openai\n    token_ratio: 0\n"), "backends[0].token_ratio", 5, "greater than zero"),
         (m.replace("    kind: openai\n", "    kind: openai\n    circuit: {failure_threshold: 0}\n"), "backends[0].circuit.failure_threshold", 5, "greater than zero"),
         (m.replace("    kind: openai\n", "    kind: openai\n    timeouts:\n      total: 0s\n"), "backends[0].timeouts.total", 6, "longer than zero"),
@@ -281,6 +282,26 @@ fn validation_errors() {
     for (src, path, line, text) in cases {
         assert_error(&src, path, line, text);
     }
+}
+
+#[test]
+fn a_credential_in_base_url_is_refused_and_never_echoed() {
+    let src = MINIMAL.replace(
+        "http://127.0.0.1:9/v1/",
+        "https://user:hunter2-pass@h.example/v1",
+    );
+    let all: String = errors(&src)
+        .iter()
+        .map(|e| format!("{e:?} {}", e.message))
+        .collect();
+    assert!(all.contains("must not carry credentials"), "{all}");
+    assert!(!all.contains("hunter2"), "{all}");
+    // An `@` past the authority (in a path) is no credential.
+    assert!(crate::policy::from_str(
+        &MINIMAL.replace("http://127.0.0.1:9/v1/", "http://127.0.0.1:9/v1/@x"),
+        "p.yaml"
+    )
+    .is_ok());
 }
 
 #[test]

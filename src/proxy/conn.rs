@@ -137,31 +137,35 @@ fn shaped_error(head: &[u8], port: &'static str) -> Option<Vec<u8>> {
     if !rest.starts_with(HYPER_ERROR_TAIL) || rest.len() != HYPER_ERROR_TAIL.len() + 29 + 4 {
         return None;
     }
-    let (status, message, code) = match head.get(9..12)? {
-        b"400" => (
-            "400 Bad Request",
-            "the request could not be parsed: a malformed request line or header (a NUL or \
-             control byte, an invalid name), or conflicting Content-Length headers",
-            "malformed_request",
-        ),
-        b"431" => (
-            "431 Request Header Fields Too Large",
-            "the request's headers are too large or too many (at most 100 headers and 64 KiB \
-             of request head)",
-            "headers_too_large",
-        ),
-        b"414" => (
-            "414 URI Too Long",
-            "the request URI is too long",
-            "uri_too_long",
-        ),
+    let kind = match head.get(9..12)? {
+        b"400" => Malformed::Head,
+        b"431" => Malformed::HeadTooLarge,
+        b"414" => Malformed::UriTooLong,
         _ => return None,
     };
-    metrics::counter!(TOLLGATE_CONNECTIONS_REFUSED_TOTAL, "port" => port, "reason" => "malformed")
-        .increment(1);
-    let body = serde_json::json!({"error": {"message": message, "type": "invalid_request_error",
-        "param": null, "code": code}})
-    .to_string();
+    Some(error_answer(kind, port))
+}
+
+/// Why a request head was refused before any handler saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Malformed {
+    /// Not a request head: a bad request line or field, a NUL or control byte, conflicting
+    /// `Content-Length` fields.
+    Head,
+    /// A line ended by a bare LF.
+    BareLf,
+    /// No `Host` field, or more than one.
+    Host,
+    /// More than 64 KiB of head.
+    HeadTooLarge,
+    UriTooLong,
+}
+
+/// The whole answer (head and OpenAI-shaped error body, `connection: close`) to a head refused
+/// for `kind`, counted in `tollgate_connections_refused_total{reason="malformed"}`.
+pub fn error_answer(kind: Malformed, port: &'static str) -> Vec<u8> {
+    count_refused(port, "malformed");
+    let (status, body) = error_body(kind);
     let mut out = format!(
         "HTTP/1.1 {status}\r\ncontent-type: application/json\r\nconnection: close\r\n\
          content-length: {}\r\n\r\n",
@@ -169,7 +173,50 @@ fn shaped_error(head: &[u8], port: &'static str) -> Option<Vec<u8>> {
     )
     .into_bytes();
     out.extend_from_slice(body.as_bytes());
-    Some(out)
+    out
+}
+
+/// The status line's code and reason, and the OpenAI-shaped error body, of a refused head.
+pub fn error_body(kind: Malformed) -> (&'static str, String) {
+    let (status, message, code) = match kind {
+        Malformed::Head => (
+            "400 Bad Request",
+            "the request could not be parsed: a malformed request line or header (a NUL or \
+             control byte, an invalid name), or conflicting Content-Length headers",
+            "malformed_request",
+        ),
+        Malformed::BareLf => (
+            "400 Bad Request",
+            "the request head ends a line with a bare LF; HTTP/1.1 lines end with CRLF",
+            "malformed_request",
+        ),
+        Malformed::Host => (
+            "400 Bad Request",
+            "an HTTP/1.1 request must carry exactly one Host header",
+            "malformed_request",
+        ),
+        Malformed::HeadTooLarge => (
+            "431 Request Header Fields Too Large",
+            "the request's headers are too large or too many (at most 100 headers and 64 KiB \
+             of request head)",
+            "headers_too_large",
+        ),
+        Malformed::UriTooLong => (
+            "414 URI Too Long",
+            "the request URI is too long",
+            "uri_too_long",
+        ),
+    };
+    let body = serde_json::json!({"error": {"message": message, "type": "invalid_request_error",
+        "param": null, "code": code}})
+    .to_string();
+    (status, body)
+}
+
+/// Counts a connection closed or refused before a request was served.
+pub fn count_refused(port: &'static str, reason: &'static str) {
+    metrics::counter!(TOLLGATE_CONNECTIONS_REFUSED_TOTAL, "port" => port, "reason" => reason)
+        .increment(1);
 }
 
 impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Shaped<S> {

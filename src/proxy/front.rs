@@ -108,6 +108,7 @@ impl Head {
 pub async fn serve<H: Handler>(
     io: &mut TcpStream,
     bounds: Bounds,
+    port: &'static str,
     stopping: &watch::Receiver<bool>,
     svc: &H,
 ) -> End {
@@ -166,8 +167,33 @@ pub async fn serve<H: Handler>(
                 _ => return End::Closed,
             }
         }
-        let Some(head) = parse(&buf, bounds.max_body) else {
-            return End::HandOver(buf.freeze());
+        // The head, whole: read on (under a deadline from its first byte) while it is only
+        // begun, whatever its bytes look like. Nothing goes to hyper before its head is
+        // whole: hyper-util's protocol sniff waits without a timer for as long as the bytes
+        // could still be the HTTP/2 preface (one `P` held a connection open forever).
+        let started = tokio::time::Instant::now();
+        let head = loop {
+            match parse(&buf, bounds.max_body) {
+                Parsed::Here(head) => break head,
+                Parsed::Elsewhere => return End::HandOver(buf.freeze()),
+                Parsed::Reject(bad) => {
+                    let _ = io.write_all(&super::conn::error_answer(bad, port)).await;
+                    let _ = io.shutdown().await;
+                    return End::Closed;
+                }
+                Parsed::Partial => {
+                    buf.reserve(READ_ROOM);
+                    let due = started + header_timeout;
+                    match tokio::time::timeout_at(due, io.read_buf(&mut buf)).await {
+                        Ok(Ok(n)) if n > 0 => {}
+                        Ok(_) => return End::Closed,
+                        Err(_) => {
+                            super::conn::count_refused(port, "slow_head");
+                            return End::Closed;
+                        }
+                    }
+                }
+            }
         };
         // The body, whole: waited for (under a deadline) only when it is not all here yet.
         let whole = head.len + head.body;
@@ -211,59 +237,99 @@ pub async fn serve<H: Handler>(
     }
 }
 
+/// What the bytes at the front of a connection's buffer are.
+enum Parsed {
+    /// A request served here.
+    Here(Head),
+    /// A head begun, not yet whole.
+    Partial,
+    /// A whole head this server leaves to hyper (HTTP/1.0, the HTTP/2 preface, a chunked or
+    /// large body, `Expect`, `Upgrade`, 65-100 fields).
+    Elsewhere,
+    /// A head no server may serve: answered here with an error and the connection closed.
+    Reject(super::conn::Malformed),
+}
+
 /// The request at the front of `buf` when it is one served here: a whole HTTP/1.1 head
 /// without `Expect`, `Upgrade`, `Transfer-Encoding` or a connection option other than
 /// `close` and `keep-alive`, with at most one plain `Content-Length` no larger than
-/// [`MAX_WHOLE_BODY`] nor `max_body`. `None`: anything else (hyper's to serve).
-fn parse(buf: &BytesMut, max_body: u64) -> Option<Head> {
+/// [`MAX_WHOLE_BODY`] nor `max_body`. Refused outright (RFC 9112 §2.2, §3.2): a head with a
+/// bare LF line end, without exactly one `Host`, or that httparse cannot parse.
+fn parse(buf: &BytesMut, max_body: u64) -> Parsed {
+    use super::conn::Malformed;
     let mut slots = [const { std::mem::MaybeUninit::uninit() }; MAX_FIELDS];
     let mut r = httparse::Request::new(&mut []);
     let len = match httparse::ParserConfig::default()
         .parse_request_with_uninit_headers(&mut r, buf, &mut slots)
     {
         Ok(httparse::Status::Complete(n)) if n <= MAX_HEAD => n,
-        _ => return None,
+        Ok(httparse::Status::Complete(_)) => return Parsed::Reject(Malformed::HeadTooLarge),
+        Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => return Parsed::Partial,
+        Ok(httparse::Status::Partial) => return Parsed::Reject(Malformed::HeadTooLarge),
+        Err(httparse::Error::Version | httparse::Error::TooManyHeaders) => {
+            return Parsed::Elsewhere
+        }
+        Err(_) => return Parsed::Reject(Malformed::Head),
     };
     if r.version != Some(1) {
-        return None;
+        return Parsed::Elsewhere;
     }
-    let method = match r.method? {
-        "POST" => Method::POST,
-        "GET" => Method::GET,
-        "HEAD" | "CONNECT" => return None,
-        m => Method::from_bytes(m.as_bytes()).ok()?,
+    if bare_lf(&buf[..len]) {
+        return Parsed::Reject(Malformed::BareLf);
+    }
+    let method = match r.method {
+        Some("POST") => Method::POST,
+        Some("GET") => Method::GET,
+        Some("HEAD" | "CONNECT") | None => return Parsed::Elsewhere,
+        Some(m) => match Method::from_bytes(m.as_bytes()) {
+            Ok(m) => m,
+            Err(_) => return Parsed::Reject(Malformed::Head),
+        },
     };
     let base = buf.as_ptr() as usize;
     let at = |s: &[u8]| (s.as_ptr() as usize - base, s.len());
-    let target = at(r.path?.as_bytes());
+    let Some(path) = r.path else {
+        return Parsed::Reject(Malformed::Head);
+    };
+    let target = at(path.as_bytes());
     let mut fields = smallvec::SmallVec::new();
-    let (mut body, mut close) = (None, false);
+    let (mut body, mut close, mut hosts) = (None, false, 0u32);
     for h in r.headers.iter() {
-        let (name, _) = super::h1::field_name(h.name.as_bytes())?;
-        if name == header::CONTENT_LENGTH {
+        let Some((name, _)) = super::h1::field_name(h.name.as_bytes()) else {
+            return Parsed::Reject(Malformed::Head);
+        };
+        if name == header::HOST {
+            hosts += 1;
+        } else if name == header::CONTENT_LENGTH {
             if body.is_some() {
-                return None;
+                return Parsed::Elsewhere;
             }
             let most = MAX_WHOLE_BODY.min(max_body);
-            body = Some(crate::body::content_length(h.value).filter(|&n| n <= most)?);
+            match crate::body::content_length(h.value).filter(|&n| n <= most) {
+                Some(n) => body = Some(n),
+                None => return Parsed::Elsewhere,
+            }
         } else if name == header::CONNECTION {
             for t in h.value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
                 if t.eq_ignore_ascii_case(b"close") {
                     close = true;
                 } else if !t.eq_ignore_ascii_case(b"keep-alive") {
-                    return None;
+                    return Parsed::Elsewhere;
                 }
             }
         } else if name == header::TRANSFER_ENCODING
             || name == header::EXPECT
             || name == header::UPGRADE
         {
-            return None;
+            return Parsed::Elsewhere;
         }
         let (at, n) = at(h.value);
         fields.push((name, at, n));
     }
-    Some(Head {
+    if hosts != 1 {
+        return Parsed::Reject(Malformed::Host);
+    }
+    Parsed::Here(Head {
         method,
         target,
         fields,
@@ -271,6 +337,12 @@ fn parse(buf: &BytesMut, max_body: u64) -> Option<Head> {
         body: body.unwrap_or(0) as usize,
         close,
     })
+}
+
+/// Whether a head ends a line with a bare LF (httparse takes it; RFC 9112 §2.2 lets a server
+/// refuse it, and a proxy must not read a head differently from the servers behind it).
+fn bare_lf(head: &[u8]) -> bool {
+    memchr::memchr_iter(b'\n', head).any(|i| i == 0 || head[i - 1] != b'\r')
 }
 
 /// `fut`'s output, or `None` when the client closes (or breaks) the connection first. Bytes
@@ -611,7 +683,9 @@ mod tests {
     /// The request served here from `raw`, with its head's length, declared body and close.
     fn parsed(raw: &str) -> Option<(Request<ReqBody>, usize, usize, bool)> {
         let buf = BytesMut::from(raw.as_bytes());
-        let h = parse(&buf, 4 << 20)?;
+        let Parsed::Here(h) = parse(&buf, 4 << 20) else {
+            return None;
+        };
         let all = buf.freeze();
         let req = h.request(&all, Bytes::new())?;
         Some((req, h.len, h.body, h.close))
@@ -629,7 +703,8 @@ mod tests {
         assert_eq!(req.version(), Version::HTTP_11);
         assert_eq!((len, body, close), (raw.len() - 2, 2, false));
         let (_, _, body, close) =
-            parsed("GET / HTTP/1.1\r\nConnection: Keep-Alive, close\r\n\r\n").expect("served");
+            parsed("GET / HTTP/1.1\r\nHost: a\r\nConnection: Keep-Alive, close\r\n\r\n")
+                .expect("served");
         assert_eq!((body, close), (0, true));
     }
 
@@ -646,18 +721,57 @@ mod tests {
             "POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n",
             "GET / HTTP/1.1\r\nUpgrade: h2c\r\nConnection: Upgrade, HTTP2-Settings\r\n\r\n",
             "HEAD / HTTP/1.1\r\n\r\n",
-            "GET / HTTP/1.1\r\nBad Name: x\r\n\r\n",
-            "GET http://[::1 HTTP/1.1\r\n\r\n",
+            "GET http://[::1 HTTP/1.1\r\nHost: a\r\n\r\n",
         ] {
             assert!(parsed(raw).is_none(), "{raw:?}");
         }
+        let verdict = |raw: &str| parse(&BytesMut::from(raw.as_bytes()), 4 << 20);
+        assert!(matches!(
+            verdict("POST / HTTP/1.1\r\nHost: a\r\n"),
+            Parsed::Partial
+        ));
+        assert!(matches!(verdict("P"), Parsed::Partial));
+        assert!(matches!(
+            verdict("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"),
+            Parsed::Elsewhere
+        ));
         let many: String = (0..MAX_FIELDS + 1)
             .map(|i| format!("x-{i}: v\r\n"))
             .collect();
         assert!(parsed(&format!("GET / HTTP/1.1\r\n{many}\r\n")).is_none());
         // Over the policy's body limit: the handler's 413, under hyper, never read here.
-        let buf = BytesMut::from(&b"POST / HTTP/1.1\r\nContent-Length: 11\r\n\r\n"[..]);
-        assert!(parse(&buf, 10).is_none() && parse(&buf, 11).is_some());
+        let buf = BytesMut::from(&b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 11\r\n\r\n"[..]);
+        assert!(matches!(parse(&buf, 10), Parsed::Elsewhere));
+        assert!(matches!(parse(&buf, 11), Parsed::Here(_)));
+    }
+
+    #[test]
+    fn heads_no_server_may_serve_are_refused_here() {
+        use super::super::conn::Malformed;
+        let verdict = |raw: &str| match parse(&BytesMut::from(raw.as_bytes()), 4 << 20) {
+            Parsed::Reject(m) => Some(m),
+            _ => None,
+        };
+        assert_eq!(
+            verdict("GET / HTTP/1.1\r\nBad Name: x\r\n\r\n"),
+            Some(Malformed::Head)
+        );
+        assert_eq!(verdict("GET / HTTP/1.1\r\n\r\n"), Some(Malformed::Host));
+        assert_eq!(
+            verdict("GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n"),
+            Some(Malformed::Host)
+        );
+        assert_eq!(
+            verdict("GET / HTTP/1.1\nHost: a\r\n\r\n"),
+            Some(Malformed::BareLf)
+        );
+        assert_eq!(
+            verdict("GET / HTTP/1.1\r\nHost: a\n\n"),
+            Some(Malformed::BareLf)
+        );
+        let big = format!("GET / HTTP/1.1\r\nHost: a\r\nx: {}", "v".repeat(MAX_HEAD));
+        assert_eq!(verdict(&big), Some(Malformed::HeadTooLarge));
+        assert_eq!(verdict("GET / HTTP/1.1\r\nHost: a\r\n\r\n"), None);
     }
 
     #[test]

@@ -42,9 +42,23 @@ impl std::fmt::Debug for Conn {
     }
 }
 
+/// What an idle connection's socket holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdleState {
+    /// Nothing: it can take a request.
+    Quiet,
+    /// The upstream closed it (or it broke).
+    Closed,
+    /// Bytes no request asked for.
+    Unsolicited,
+}
+
 /// Why no answer head came.
 #[derive(Debug, PartialEq, Eq)]
 pub enum HeadError {
+    /// The connection ended, or broke, before a single byte of an answer came: on a reused
+    /// connection, the upstream's close of an idle connection that crossed the request.
+    Closed,
     /// The connection ended, or broke, before the head was whole.
     Broken,
     /// Not an HTTP/1 answer head, or past a bound.
@@ -75,15 +89,19 @@ impl Conn {
     }
 
     /// Whether an idle connection can take a request: nothing arrived on it since its last
-    /// answer (the upstream's close, or bytes it had no business sending). Without a
-    /// readiness event since the answer's last read drained the socket, this is no system
-    /// call (see [`drained`]).
-    pub fn reusable(&mut self) -> bool {
+    /// answer. One non-blocking `recv(MSG_PEEK)` asks the kernel itself: tokio's readiness
+    /// may not have seen bytes that came after the last driver turn, and bytes read as the
+    /// next caller's answer are the one failure a pool must never have.
+    pub fn idle_state(&mut self) -> IdleState {
         if !self.buf.is_empty() {
-            return false;
+            return IdleState::Unsolicited;
         }
-        let mut probe = [0u8; 1];
-        matches!(self.io.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+        let mut probe = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+        match socket2::SockRef::from(&self.io).peek(&mut probe) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => IdleState::Quiet,
+            Ok(0) | Err(_) => IdleState::Closed,
+            Ok(_) => IdleState::Unsolicited,
+        }
     }
 
     /// Writes a whole request.
@@ -114,6 +132,9 @@ impl Conn {
                     return Err(HeadError::Malformed);
                 }
                 match std::future::poll_fn(|cx| self.poll_fill(cx)).await {
+                    Ok(0) | Err(_) if interim == 0 && self.buf.is_empty() => {
+                        return Err(HeadError::Closed)
+                    }
                     Ok(0) | Err(_) => return Err(HeadError::Broken),
                     Ok(_) => {}
                 }
@@ -166,10 +187,10 @@ impl Conn {
 }
 
 /// After a read that did not fill the room it was given (the socket's queue was drained), the
-/// socket's read readiness is cleared, as tokio's own `poll_read` does: the next read, or the
-/// pool's check before reuse ([`Conn::reusable`]), then waits for a new readiness event
-/// instead of making a system call that would only say "would block" (one `recvfrom` per
-/// request saved). Only on a connection worker: its runtime is single-threaded, so no driver
+/// socket's read readiness is cleared, as tokio's own `poll_read` does: the next read waits
+/// for a new readiness event instead of making a system call that would only say "would
+/// block" (one `recvfrom` per request saved). The pool's check before reuse does not rely on
+/// readiness: it asks the kernel ([`Conn::idle_state`]). Only on a connection worker: its runtime is single-threaded, so no driver
 /// turn (no new event) can come between the read and the clear; anything that arrives after
 /// the read is an event of the next turn, which sets readiness again.
 fn drained(io: &TcpStream) {
@@ -213,9 +234,15 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<(Response<()>, Framing)>, Hea
     // (no copy each).
     let mut fields: smallvec::SmallVec<[(HeaderName, usize, usize); 16]> =
         smallvec::SmallVec::new();
+    // Fields the `Connection` field names are for this hop only (RFC 9110 §7.6.1).
+    let mut nominated: smallvec::SmallVec<[HeaderName; 2]> = smallvec::SmallVec::new();
     for h in r.headers.iter() {
         let (name, framing) = field_name(h.name.as_bytes()).ok_or(HeadError::Malformed)?;
         f.read(&name, h.value)?;
+        if name == http::header::CONNECTION {
+            let tokens = h.value.split(|&b| b == b',').map(<[u8]>::trim_ascii);
+            nominated.extend(tokens.filter_map(|t| HeaderName::from_bytes(t).ok()));
+        }
         if framing {
             // Read here, and of no use past this connection: not handed on (an answer is
             // framed again for the client).
@@ -227,6 +254,9 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<(Response<()>, Framing)>, Hea
     let head = buf.split_to(len).freeze();
     let mut headers = HeaderMap::with_capacity(fields.len() + ROOM_FOR_STAMPS);
     for (name, at, n) in fields {
+        if nominated.contains(&name) {
+            continue;
+        }
         let v = HeaderValue::from_maybe_shared(head.slice(at..at + n))
             .map_err(|_| HeadError::Malformed)?;
         headers.append(name, v);
@@ -310,12 +340,7 @@ impl Fields {
         };
         match (self.transfer, self.length) {
             (Some(true), length) => Framing {
-                decoder: Decoder::Chunked(Chunk::Size {
-                    value: 0,
-                    digits: 0,
-                    line: 0,
-                    ext: false,
-                }),
+                decoder: Decoder::Chunked(Chunk::Size),
                 // A length beside a transfer coding is ignored, and the connection not
                 // trusted again.
                 keep_alive: self.keep_alive && length.is_none(),
@@ -332,14 +357,8 @@ impl Fields {
 /// Where a chunked body's reading is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Chunk {
-    /// In a chunk-size line: the size so far, its digits, the line's length, and whether an
-    /// extension (or whitespace) ended the digits.
-    Size {
-        value: u64,
-        digits: u8,
-        line: usize,
-        ext: bool,
-    },
+    /// At a chunk-size line.
+    Size,
     /// Inside a chunk's data: bytes left.
     Data(u64),
     /// After a chunk's data: its CRLF (`true` once the CR was seen).
@@ -452,6 +471,26 @@ impl Decoder {
     }
 }
 
+/// A whole chunk-size line's size, read as strictly as hyper does: `httparse`'s parser (hex
+/// digits, an optional `;` extension, CRLF; a bare LF, a second number or a stray byte after
+/// CR refused). Leading zeros are taken off first: RFC 9112 puts no bound on them, and
+/// httparse counts them against its 16 digits.
+fn chunk_size(line: &[u8]) -> Result<u64, DecodeError> {
+    let zeros = line.iter().take_while(|&&b| b == b'0').count();
+    let from = if line.get(zeros).is_some_and(u8::is_ascii_hexdigit) {
+        zeros
+    } else {
+        zeros.saturating_sub(1)
+    };
+    if !line.first().is_some_and(u8::is_ascii_hexdigit) {
+        return Err(DecodeError::Malformed);
+    }
+    match httparse::parse_chunk_size(&line[from..]) {
+        Ok(httparse::Status::Complete((n, size))) if from + n == line.len() => Ok(size),
+        _ => Err(DecodeError::Malformed),
+    }
+}
+
 fn chunked(c: &mut Chunk, buf: &mut BytesMut) -> Result<Step, DecodeError> {
     loop {
         if buf.is_empty() {
@@ -472,54 +511,28 @@ fn chunked(c: &mut Chunk, buf: &mut BytesMut) -> Result<Step, DecodeError> {
                 buf.advance(1);
                 match (b, *cr) {
                     (b'\r', false) => *cr = true,
-                    (b'\n', _) => {
-                        *c = Chunk::Size {
-                            value: 0,
-                            digits: 0,
-                            line: 0,
-                            ext: false,
-                        }
-                    }
+                    (b'\n', true) => *c = Chunk::Size,
                     _ => return Err(DecodeError::Malformed),
                 }
             }
-            Chunk::Size {
-                value,
-                digits,
-                line,
-                ext,
-            } => {
-                let b = buf[0];
-                buf.advance(1);
-                *line += 1;
-                if *line > MAX_CHUNK_LINE {
-                    return Err(DecodeError::Malformed);
-                }
-                match b {
-                    b'\n' => {
-                        if *digits == 0 {
-                            return Err(DecodeError::Malformed);
-                        }
-                        *c = if *value == 0 {
-                            Chunk::Trailers {
-                                read: 0,
-                                empty: true,
-                            }
-                        } else {
-                            Chunk::Data(*value)
-                        };
+            Chunk::Size => {
+                // The whole line first (it stays in the buffer until its end has come).
+                let Some(end) = memchr::memchr(b'\n', &buf[..buf.len().min(MAX_CHUNK_LINE)]) else {
+                    if buf.len() >= MAX_CHUNK_LINE {
+                        return Err(DecodeError::Malformed);
                     }
-                    _ if *ext => {}
-                    b';' | b' ' | b'\t' | b'\r' => *ext = true,
-                    _ => {
-                        let d = (b as char).to_digit(16).ok_or(DecodeError::Malformed)?;
-                        if *digits == 16 {
-                            return Err(DecodeError::Malformed);
-                        }
-                        *digits += 1;
-                        *value = (*value << 4) | u64::from(d);
+                    return Ok(Step::More);
+                };
+                let size = chunk_size(&buf[..=end])?;
+                buf.advance(end + 1);
+                *c = if size == 0 {
+                    Chunk::Trailers {
+                        read: 0,
+                        empty: true,
                     }
-                }
+                } else {
+                    Chunk::Data(size)
+                };
             }
             Chunk::Trailers { read, empty } => {
                 let b = buf[0];
@@ -569,12 +582,7 @@ mod tests {
     }
 
     fn chunked0() -> Decoder {
-        Decoder::Chunked(Chunk::Size {
-            value: 0,
-            digits: 0,
-            line: 0,
-            ext: false,
-        })
+        Decoder::Chunked(Chunk::Size)
     }
 
     #[test]
@@ -615,6 +623,12 @@ mod tests {
         assert!(r.headers().contains_key("connection"));
         assert!(r.headers().contains_key("transfer-encoding"));
         assert!(r.headers().capacity() >= 2 + ROOM_FOR_STAMPS);
+        // A field the `Connection` field names is this hop's only, wherever it stands.
+        let (r, _) = head("HTTP/1.1 200 OK\r\nX-Hop: a\r\nConnection: x-hop, X-Other\r\nX-Other: b\r\nX-Kept: c\r\nContent-Length: 0\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        let names: Vec<_> = r.headers().keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["x-kept"]);
     }
 
     #[test]
@@ -717,10 +731,6 @@ mod tests {
                 b"hello world0123456789"
             );
             assert_eq!(
-                decode_all(chunked0(), b"3\nabc\n0\n\n", piece).unwrap(),
-                b"abc"
-            );
-            assert_eq!(
                 decode_all(Decoder::Close, b"to the end", piece).unwrap(),
                 b"to the end"
             );
@@ -740,6 +750,12 @@ mod tests {
         for bad in [
             &b"11111111111111111\r\n"[..],
             b"zz\r\n",
+            // Lenient forms hyper refuses: a bare LF, a second number, CR and a stray byte,
+            // a bare LF after a chunk's data.
+            b"5\nhello\r\n0\r\n\r\n",
+            b"5 6\r\nhello\r\n0\r\n\r\n",
+            b"5\rXhello\r\n0\r\n\r\n",
+            b"5\r\nhello\n0\r\n\r\n",
             b"\r\n",
             b"5\r\nhelloXX",
         ] {
@@ -758,6 +774,15 @@ mod tests {
         assert_eq!(
             decode_all(chunked0(), trailers.as_bytes(), 512),
             Err(DecodeError::Malformed)
+        );
+        // Leading zeros do not count against the 16 digits; an extension is taken.
+        assert_eq!(
+            decode_all(
+                chunked0(),
+                b"00000000000000005\r\nhello\r\n000;x=1\r\n\r\n",
+                3
+            ),
+            Ok(b"hello".to_vec())
         );
         // A size at u64's bound is read, not wrapped.
         let mut d = chunked0();

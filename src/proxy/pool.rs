@@ -14,7 +14,7 @@
 //! ([`super::workers::lane`]): a socket is registered with the runtime that dialed it, so it
 //! is only reused from there.
 
-use super::h1::{Conn, DecodeError, Decoder, Step};
+use super::h1::{Conn, DecodeError, Decoder, HeadError, IdleState, Step};
 use super::workers::MAX_WORKERS;
 use bytes::Bytes;
 use crossbeam_queue::ArrayQueue;
@@ -22,6 +22,7 @@ use dashmap::DashMap;
 use http::{HeaderValue, Method, Request, Response};
 use http_body::{Frame, SizeHint};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -34,6 +35,15 @@ const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 const STALE_RETRIES: usize = 4;
 /// Bodies up to this size are written in the same buffer as the head (one write).
 const INLINE_BODY: usize = 256 * 1024;
+/// How long an upstream that sent bytes no request asked for gets a fresh connection per
+/// request (each closed after its answer) instead of pooled ones.
+const DISTRUST: Duration = Duration::from_secs(60);
+
+/// Milliseconds since the process's first use of the pool (0 is never a deadline).
+fn now_ms() -> u64 {
+    static START: OnceLock<Instant> = OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_millis() as u64 + 1
+}
 
 struct Idle {
     conn: Conn,
@@ -45,13 +55,20 @@ pub struct Pool {
     lanes: Box<[OnceLock<ArrayQueue<Idle>>]>,
     /// The `Host` header of every request to it.
     host: HeaderValue,
+    /// The authority, for the fault counter's label.
+    authority: Box<str>,
+    /// Until when (see [`now_ms`]) no connection to it is reused: it sent bytes no request
+    /// asked for, so any of its connections may hold an answer that belongs to no one.
+    distrusted_until: AtomicU64,
 }
 
 impl Pool {
-    fn new(host: HeaderValue) -> Self {
+    fn new(authority: &str) -> Self {
         Self {
             lanes: (0..=MAX_WORKERS).map(|_| OnceLock::new()).collect(),
-            host,
+            host: host_header(authority),
+            authority: authority.into(),
+            distrusted_until: AtomicU64::new(0),
         }
     }
 
@@ -59,7 +76,40 @@ impl Pool {
         self.lanes[lane.min(MAX_WORKERS)].get_or_init(|| ArrayQueue::new(MAX_IDLE))
     }
 
+    fn distrusted(&self) -> bool {
+        let until = self.distrusted_until.load(Ordering::Relaxed);
+        until != 0 && now_ms() < until
+    }
+
+    /// The upstream sent bytes no request asked for: its idle connections are closed and no
+    /// connection to it is reused for [`DISTRUST`].
+    fn distrust(&self) {
+        self.distrusted_until
+            .store(now_ms() + DISTRUST.as_millis() as u64, Ordering::Relaxed);
+        for lane in self.lanes.iter().filter_map(OnceLock::get) {
+            while lane.pop().is_some() {}
+        }
+        self.fault("unsolicited");
+        tracing::warn!(
+            upstream = %self.authority,
+            distrust_s = DISTRUST.as_secs(),
+            "upstream sent bytes no request asked for: its connections are not reused for a while"
+        );
+    }
+
+    fn fault(&self, fault: &'static str) {
+        metrics::counter!(
+            crate::telemetry::names::TOLLGATE_UPSTREAM_WIRE_FAULTS_TOTAL,
+            "upstream" => self.authority.to_string(),
+            "fault" => fault
+        )
+        .increment(1);
+    }
+
     fn put(&self, lane: usize, conn: Conn) {
+        if self.distrusted() {
+            return;
+        }
         // A full queue drops the connection, which closes it.
         let _ = self.lane(lane).push(Idle {
             conn,
@@ -71,8 +121,16 @@ impl Pool {
     fn take(&self, lane: usize) -> Option<Conn> {
         let idle = self.lanes[lane.min(MAX_WORKERS)].get()?;
         while let Some(mut i) = idle.pop() {
-            if i.since.elapsed() < IDLE_TIMEOUT && i.conn.reusable() {
-                return Some(i.conn);
+            if i.since.elapsed() >= IDLE_TIMEOUT {
+                continue;
+            }
+            match i.conn.idle_state() {
+                IdleState::Quiet => return Some(i.conn),
+                IdleState::Closed => {}
+                IdleState::Unsolicited => {
+                    self.distrust();
+                    return None;
+                }
             }
         }
         None
@@ -111,7 +169,7 @@ impl Pools {
         }
         self.by_authority
             .entry(authority.into())
-            .or_insert_with(|| Arc::new(Pool::new(host_header(authority))))
+            .or_insert_with(|| Arc::new(Pool::new(authority)))
             .clone()
     }
 
@@ -149,10 +207,16 @@ impl Pools {
         let lane = super::workers::lane();
         let mut stale = 0;
         loop {
-            let (mut conn, reused) = match pool.take(lane) {
-                Some(c) if stale < STALE_RETRIES => (c, true),
-                _ => (dial(authority, connect).await?, false),
+            let pooled = if stale < STALE_RETRIES {
+                pool.take(lane)
+            } else {
+                None
             };
+            let (mut conn, reused) = match pooled {
+                Some(c) => (c, true),
+                None => (dial(authority, connect).await?, false),
+            };
+            let fresh = !reused;
             let mut written = conn.write(&bytes).await;
             if written.is_ok() && body.len() > INLINE_BODY {
                 written = conn.write(body).await;
@@ -171,11 +235,20 @@ impl Pools {
                     let body = UpstreamBody {
                         conn: Some(conn),
                         decoder: framing.decoder,
-                        keep_alive: framing.keep_alive,
+                        // A connection made while the upstream is distrusted is not reused.
+                        keep_alive: framing.keep_alive && !(fresh && pool.distrusted()),
                         home: pool,
                         lane,
                     };
                     Ok(resp.map(|()| body))
+                }
+                // A reused connection the upstream closed as the request crossed its idle
+                // timeout: no byte of an answer came, so the request goes once more, on a
+                // fresh connection (as hyper and Pingora do). Not the upstream's failure.
+                Err(HeadError::Closed) if reused => {
+                    pool.fault("closed_idle");
+                    stale = STALE_RETRIES;
+                    continue;
                 }
                 Err(_) => Err(SendError::Broken),
             };
@@ -266,10 +339,13 @@ impl UpstreamBody {
         Some(body)
     }
 
-    /// The body ended: its connection back to the pool, or closed.
+    /// The body ended: its connection back to the pool, or closed. Bytes already read past
+    /// the body's end were asked for by no request: the upstream is distrusted.
     fn end(&mut self) {
         if let Some(conn) = self.conn.take() {
-            if self.keep_alive && conn.buf.is_empty() {
+            if !conn.buf.is_empty() {
+                self.home.distrust();
+            } else if self.keep_alive {
                 self.home.put(self.lane, conn);
             }
         }

@@ -31,27 +31,45 @@ pub fn spawn(mut m: Metered, deadline: Instant, snap: Option<Arc<Snapshot>>) -> 
     let deadline = tokio::time::Instant::from_std(deadline);
     tokio::spawn(async move {
         let mut tx = Some(tx);
-        while let Some(frame) = m.frame().await {
-            let Ok(frame) = frame else { break };
-            let Ok(data) = frame.into_data() else {
-                continue;
+        let mut pieces = redact::Pieces::default();
+        loop {
+            let (data, last) = match m.frame().await {
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(d) => (d, false),
+                    Err(_) => continue,
+                },
+                // The end: what redaction held back (no secret after all) goes out last.
+                Some(Err(_)) | None => match pieces.finish() {
+                    Some(rest) => (rest, true),
+                    None => break,
+                },
             };
-            let Some(t) = &tx else { continue };
-            let data = match &snap {
-                Some(s) => redact::bytes(s, data),
-                None => data,
-            };
-            match tokio::time::timeout_at(deadline, t.send(data)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(_)) => {
-                    // The client is gone: keep reading the upstream for its usage.
-                    tx = None;
-                    m.client_gone();
-                }
-                Err(_) => {
-                    m.stop(End::ClientStalled);
+            let Some(t) = &tx else {
+                if last {
                     break;
                 }
+                continue;
+            };
+            let data = match &snap {
+                Some(s) if !last => pieces.next(s, data),
+                _ => data,
+            };
+            if !data.is_empty() {
+                match tokio::time::timeout_at(deadline, t.send(data)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) => {
+                        // The client is gone: keep reading the upstream for its usage.
+                        tx = None;
+                        m.client_gone();
+                    }
+                    Err(_) => {
+                        m.stop(End::ClientStalled);
+                        break;
+                    }
+                }
+            }
+            if last {
+                break;
             }
         }
         // `m` drops here: an unsettled stream (only if the loop broke early) settles in Drop.

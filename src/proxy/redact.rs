@@ -72,6 +72,53 @@ pub fn bytes(snap: &Snapshot, b: Bytes) -> Bytes {
     changed.map_or(b, Bytes::from)
 }
 
+/// Redaction of a body that comes in pieces (a stream): a secret split across two reads is
+/// masked too. The end of a piece that could be the start of a secret is held back until the
+/// next piece shows whether it is one; nothing else waits (an SSE event ends in a blank line,
+/// which no secret starts with, so events go out as they come).
+#[derive(Debug, Default)]
+pub struct Pieces {
+    held: Vec<u8>,
+}
+
+impl Pieces {
+    /// What of `piece` (after what was held) can go out now, secrets masked.
+    pub fn next(&mut self, snap: &Snapshot, piece: Bytes) -> Bytes {
+        if secrets(snap).next().is_none() {
+            return piece;
+        }
+        let joined = if self.held.is_empty() {
+            piece
+        } else {
+            let mut j = std::mem::take(&mut self.held);
+            j.extend_from_slice(&piece);
+            Bytes::from(j)
+        };
+        let masked = bytes(snap, joined);
+        let keep = secrets(snap)
+            .map(|s| open_prefix(&masked, s))
+            .max()
+            .unwrap_or(0);
+        if keep > 0 {
+            self.held.extend_from_slice(&masked[masked.len() - keep..]);
+        }
+        masked.slice(..masked.len() - keep)
+    }
+
+    /// What was held back at the body's end (it was no secret).
+    pub fn finish(&mut self) -> Option<Bytes> {
+        (!self.held.is_empty()).then(|| Bytes::from(std::mem::take(&mut self.held)))
+    }
+}
+
+/// The length of the longest end of `hay` that is the start, not the whole, of `secret`.
+fn open_prefix(hay: &[u8], secret: &[u8]) -> usize {
+    let from = hay.len().saturating_sub(secret.len() - 1);
+    (from..hay.len())
+        .find(|&i| secret.starts_with(&hay[i..]))
+        .map_or(0, |i| hay.len() - i)
+}
+
 /// Masks secrets in header values in place.
 pub fn headers(snap: &Snapshot, h: &mut HeaderMap) {
     if secrets(snap).next().is_none() {
@@ -104,5 +151,15 @@ mod tests {
         assert_eq!(find(b"", b"x"), None);
         assert_eq!(find(b"xx", b"x"), Some(0));
         assert_eq!(find(b"ax", b"x"), Some(1));
+    }
+
+    #[test]
+    fn the_open_end_of_a_piece_is_the_longest_start_of_the_secret() {
+        assert_eq!(open_prefix(b"data: sk-sec", b"sk-secret-1"), 6);
+        assert_eq!(open_prefix(b"data: s", b"sk-secret-1"), 1);
+        assert_eq!(open_prefix(b"data: x\n\n", b"sk-secret-1"), 0);
+        // The whole secret at the end is masked already, not held.
+        assert_eq!(open_prefix(b"sk-secret-1", b"sk-secret-1"), 0);
+        assert_eq!(open_prefix(b"", b"sk-secret-1"), 0);
     }
 }

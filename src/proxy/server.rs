@@ -167,7 +167,7 @@ async fn connection<H: Handler>(
     }
     // Served here while its requests are the common kind; the rest of it goes to hyper.
     let mut stream = stream;
-    let first = match super::front::serve(&mut stream, bounds, &stopping, &svc).await {
+    let first = match super::front::serve(&mut stream, bounds, port, &stopping, &svc).await {
         super::front::End::Closed => return,
         super::front::End::HandOver(first) => first,
     };
@@ -178,8 +178,14 @@ async fn connection<H: Handler>(
                 port,
             )),
             service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                let answer = svc.call(req.map(crate::body::ReqBody::Hyper));
+                // RFC 9112 §3.2: exactly one Host on HTTP/1.1 (the fast path checks its own).
+                let hosts = req.headers().get_all(http::header::HOST).iter().count();
+                let answer = (req.version() != http::Version::HTTP_11 || hosts == 1)
+                    .then(|| svc.call(req.map(crate::body::ReqBody::Hyper)));
                 async move {
+                    let Some(answer) = answer else {
+                        return Ok(host_refusal(port));
+                    };
                     let mut resp = answer.await?;
                     // hyper writes the answer from its map: the stamped fields go in there.
                     super::stamps::into_headers(&mut resp);
@@ -193,6 +199,25 @@ async fn connection<H: Handler>(
         )
         .into_owned();
     let _ = watcher.watch(conn).await;
+}
+
+/// The 400 to an HTTP/1.1 request without exactly one `Host`, served by hyper.
+fn host_refusal(port: &'static str) -> hyper::Response<super::respond::Body> {
+    conn::count_refused(port, "malformed");
+    let (status, body) = conn::error_body(conn::Malformed::Host);
+    let mut resp = hyper::Response::new(crate::body::full(body));
+    *resp.status_mut() = http::StatusCode::from_bytes(&status.as_bytes()[..3])
+        .unwrap_or(http::StatusCode::BAD_REQUEST);
+    let h = resp.headers_mut();
+    h.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    h.insert(
+        http::header::CONNECTION,
+        http::HeaderValue::from_static("close"),
+    );
+    resp
 }
 
 /// Loads the policy at `path` and swaps it in whole; the old one stays on any error.

@@ -301,6 +301,17 @@ fn forwardable(name: &http::HeaderName) -> bool {
         || n == "content-type")
 }
 
+/// A failure after a 2xx head: the upstream took the call and may have billed it.
+fn billed_failure(class: FailureClass, status: StatusCode) -> CallResult<Box<UpstreamResponse>> {
+    CallResult::Failed(Failure {
+        class,
+        status: Some(status.as_u16()),
+        retry_after_ms: None,
+        long_outage: false,
+        billed: true,
+    })
+}
+
 fn failure(
     class: FailureClass,
     status: Option<u16>,
@@ -311,7 +322,42 @@ fn failure(
         status,
         retry_after_ms,
         long_outage: false,
+        billed: false,
     })
+}
+
+/// Whether an answer says its body is JSON.
+fn is_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v.trim_start()
+                .to_ascii_lowercase()
+                .starts_with("application/json")
+        })
+}
+
+/// Whether an answer's body carries a content coding other than `identity`.
+fn coded(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(http::header::CONTENT_ENCODING)
+        .iter()
+        .any(|v| !v.as_bytes().trim_ascii().eq_ignore_ascii_case(b"identity"))
+}
+
+/// A buffered answer's body with its content coding (gzip, deflate) undone, at most
+/// [`MAX_UPSTREAM_BODY`] bytes decoded, and the `Content-Encoding` field taken off; `Err`
+/// for a coding the sidecar cannot read or a corrupt or oversized body.
+fn uncoded(headers: &mut HeaderMap, b: Bytes) -> Result<Bytes, ()> {
+    if !coded(headers) {
+        headers.remove(http::header::CONTENT_ENCODING);
+        return Ok(b);
+    }
+    let coding = super::encoding::coding(headers).map_err(|_| ())?;
+    headers.remove(http::header::CONTENT_ENCODING);
+    headers.remove(http::header::CONTENT_LENGTH);
+    super::encoding::decode(coding, b, MAX_UPSTREAM_BODY).map_err(|_| ())
 }
 
 /// Headers of a body the sidecar rewrote: the upstream's length and type no longer apply.
@@ -518,6 +564,7 @@ impl Call<'_> {
                 status: Some(status.as_u16()),
                 retry_after_ms,
                 long_outage: hint.long_outage,
+                billed: false,
             });
         }
         // Answers already in the OpenAI shape pass as they are: no envelope to build.
@@ -526,7 +573,16 @@ impl Call<'_> {
             let empty = http_body::Body::size_hint(&incoming).exact() == Some(0);
             if !providers::validate::stream_head_ok(status, &headers, empty) {
                 tracing::warn!(backend = %backend.id, status = status.as_u16(), "the upstream's stream answer is not a stream");
+                // A JSON answer to a stream request is still an answer the upstream billed.
+                if is_json(&headers) {
+                    return billed_failure(FailureClass::Server, status);
+                }
                 return failure(FailureClass::Server, Some(status.as_u16()), None);
+            }
+            if coded(&headers) {
+                // Compressed though never asked to be: its usage cannot be read on the way.
+                tracing::warn!(backend = %backend.id, "the upstream's stream answer is compressed, never asked for");
+                return billed_failure(FailureClass::Server, status);
             }
             let translate = match self.passed(wire) {
                 // The client gets the native stream as it is; its translation is metered.
@@ -551,8 +607,18 @@ impl Call<'_> {
         }
         let b = match read_body(incoming, deadline, MAX_UPSTREAM_BODY).await {
             Ok(b) => b,
-            // Headers came but the body broke: nothing reached the client, so fail over.
-            Err(class) => return failure(class, Some(status.as_u16()), None),
+            // Headers came but the body broke: nothing reached the client, so fail over; the
+            // upstream took the call, so its worst case is committed.
+            Err(class) => return billed_failure(class, status),
+        };
+        // Compressed though never asked to be (the sidecar sends no Accept-Encoding): read
+        // as the plain body it stands for, bounded, and handed on plain.
+        let b = match uncoded(&mut headers, b) {
+            Ok(b) => b,
+            Err(()) => {
+                tracing::warn!(backend = %backend.id, "the upstream's answer is compressed in a way that cannot be read");
+                return billed_failure(FailureClass::Server, status);
+            }
         };
         drop(permit);
         if let Some(n) = self.passed(wire) {

@@ -78,6 +78,7 @@ pub fn classify(a: &Answer) -> CallResult<Answer> {
                 status: None,
                 retry_after_ms,
                 long_outage: false,
+                billed: false,
             })
         }
         Some(_) => {
@@ -86,6 +87,7 @@ pub fn classify(a: &Answer) -> CallResult<Answer> {
                 status: None,
                 retry_after_ms,
                 long_outage: false,
+                billed: false,
             })
         }
         None => {}
@@ -108,6 +110,7 @@ pub fn classify(a: &Answer) -> CallResult<Answer> {
         status: Some(status),
         retry_after_ms,
         long_outage: false,
+        billed: false,
     })
 }
 
@@ -130,6 +133,7 @@ impl Upstream for ScriptedUpstream {
                     status: None,
                     retry_after_ms: None,
                     long_outage: false,
+                    billed: false,
                 })
             }
         };

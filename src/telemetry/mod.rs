@@ -273,6 +273,7 @@ mod tests {
             circuit_after: CircuitState::Closed,
             latency_ms: 3,
             waited_ms: 0,
+            committed_tokens: 0,
         });
         let entry = Entry {
             ts: "2026-01-01T00:00:00Z".into(),

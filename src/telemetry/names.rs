@@ -42,6 +42,11 @@ pub const TOLLGATE_CONNECTIONS_REFUSED_TOTAL: &str = "tollgate_connections_refus
 /// counter {backend}: calls whose committed usage was above their reserved worst case (a
 /// provider billing past the cap it was sent, or an absurd usage report).
 pub const TOLLGATE_USAGE_OVER_RESERVATION_TOTAL: &str = "tollgate_usage_over_reservation_total";
+/// counter {upstream, fault}: wire faults of cleartext upstream connections: `unsolicited`
+/// (bytes no request asked for: the upstream's pooled connections are distrusted for a
+/// while) and `closed_idle` (a reused connection closed before any answer byte: the request
+/// went again on a fresh connection).
+pub const TOLLGATE_UPSTREAM_WIRE_FAULTS_TOTAL: &str = "tollgate_upstream_wire_faults_total";
 /// counter {reason}: finished spans the OTLP export dropped (`queue_full`, `export_failed`).
 pub const TOLLGATE_OTEL_DROPPED_SPANS_TOTAL: &str = "tollgate_otel_dropped_spans_total";
 
@@ -113,6 +118,11 @@ pub fn describe() {
         TOLLGATE_USAGE_OVER_RESERVATION_TOTAL,
         Unit::Count,
         "Calls whose committed usage was above their reserved worst case, by backend"
+    );
+    describe_counter!(
+        TOLLGATE_UPSTREAM_WIRE_FAULTS_TOTAL,
+        Unit::Count,
+        "Wire faults of cleartext upstream connections, by upstream and fault (unsolicited/closed_idle)"
     );
     describe_counter!(
         TOLLGATE_OTEL_DROPPED_SPANS_TOTAL,

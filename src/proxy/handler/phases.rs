@@ -148,6 +148,14 @@ fn estimate_body(
             p.est,
         ),
         None => {
+            // Parsed, each container costs far more than its bytes (60,000 messages took
+            // ~88 MB): the count is capped before the parse.
+            if crate::jscan::containers(bytes, MAX_JSON_CONTAINERS) > MAX_JSON_CONTAINERS {
+                return Err(Refusal::invalid_json(format!(
+                    "the request body has more than {MAX_JSON_CONTAINERS} JSON objects and \
+                     arrays; split the conversation or send fewer content parts"
+                )));
+            }
             let body = match inb.dialect {
                 Dialect::OpenAi => {
                     serde_json::from_slice(bytes).map_err(|e| Refusal::not_json_object(&e))
@@ -159,6 +167,10 @@ fn estimate_body(
         }
     })
 }
+
+/// Most JSON objects and arrays in a request body that is parsed whole (a chat of a few
+/// thousand turns with tool calls has a few tens of thousands at most).
+pub const MAX_JSON_CONTAINERS: usize = 50_000;
 
 impl<'a> Ctx<'a> {
     /// The phases before the governor, in order.
@@ -523,12 +535,18 @@ fn upstream_response(
     rec: &Record,
     snap: &Snapshot,
 ) -> Response<Body> {
-    let hop: smallvec::SmallVec<[http::HeaderName; 4]> = headers
+    // Not handed on: hop-by-hop fields, the fields the upstream's `Connection` names (RFC
+    // 9110 §7.6.1), and the sidecar's own names (an upstream cannot forge a decision).
+    let mut drop: smallvec::SmallVec<[http::HeaderName; 4]> = headers
         .keys()
-        .filter(|k| is_hop_by_hop(k))
+        .filter(|k| is_hop_by_hop(k) || k.as_str().starts_with("x-tollgate-"))
         .cloned()
         .collect();
-    for k in hop {
+    for v in headers.get_all(http::header::CONNECTION) {
+        let tokens = v.as_bytes().split(|&b| b == b',').map(<[u8]>::trim_ascii);
+        drop.extend(tokens.filter_map(|t| http::HeaderName::from_bytes(t).ok()));
+    }
+    for k in drop {
         headers.remove(k);
     }
     // Room for the sidecar's headers (decision, ids, limits) at once, instead of growing the
