@@ -42,6 +42,8 @@ const MAX_HEAD: usize = 64 * 1024;
 const MAX_FIELDS: usize = 64;
 /// Largest request body read whole here (larger: hyper, and the handler's streaming read).
 pub const MAX_WHOLE_BODY: u64 = 1024 * 1024;
+/// What an h2c client with prior knowledge sends first (RFC 9113 §3.4).
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// What a read asks room for.
 const READ_ROOM: usize = 8 * 1024;
 /// Most bytes of next requests read while one is served (more waits in the socket).
@@ -257,6 +259,11 @@ enum Parsed {
 /// bare LF line end, without exactly one `Host`, or that httparse cannot parse.
 fn parse(buf: &BytesMut, max_body: u64) -> Parsed {
     use super::conn::Malformed;
+    // The HTTP/2 preface, begun: hyper's to serve once whole (its sniff would wait for the
+    // rest without a timer).
+    if buf.len() < H2_PREFACE.len() && H2_PREFACE.starts_with(buf) {
+        return Parsed::Partial;
+    }
     let mut slots = [const { std::mem::MaybeUninit::uninit() }; MAX_FIELDS];
     let mut r = httparse::Request::new(&mut []);
     let len = match httparse::ParserConfig::default()
@@ -731,6 +738,7 @@ mod tests {
             Parsed::Partial
         ));
         assert!(matches!(verdict("P"), Parsed::Partial));
+        assert!(matches!(verdict("PRI * HTTP/2.0\r\n\r\n"), Parsed::Partial));
         assert!(matches!(
             verdict("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"),
             Parsed::Elsewhere
@@ -805,5 +813,92 @@ mod tests {
             s.ends_with("transfer-encoding: chunked\r\n\r\n") && !s.contains("99"),
             "{s}"
         );
+    }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn field() -> impl Strategy<Value = String> {
+            prop_oneof![
+                Just("Host: a".to_string()),
+                Just("host: b".to_string()),
+                Just("Content-Length: 2".to_string()),
+                Just("Content-Length: 3".to_string()),
+                Just("Transfer-Encoding: chunked".to_string()),
+                Just("Connection: close".to_string()),
+                Just("Expect: 100-continue".to_string()),
+                "[a-zA-Z-]{1,12}: [ -~]{0,20}",
+                // Anything at all, control bytes and separators included.
+                "[\\x00-\\xff]{0,12}",
+            ]
+        }
+
+        fn head() -> impl Strategy<Value = Vec<u8>> {
+            (
+                prop_oneof![4 => Just("POST"), 2 => Just("GET"), 1 => Just("HEAD"), 1 => Just("P@ST"), 1 => Just("")],
+                prop_oneof![
+                    Just("/v1/chat/completions".to_string()),
+                    Just("*".to_string()),
+                    "[!-~]{0,16}"
+                ],
+                prop_oneof![6 => Just("HTTP/1.1"), 1 => Just("HTTP/1.0"), 1 => Just("HTTP/2.0"), 1 => Just("HTTP/1.1 ")],
+                prop::collection::vec(field(), 0..6),
+                prop_oneof![4 => Just("\r\n"), 1 => Just("\n")],
+                "[\\x00-\\xff]{0,4}",
+            )
+                .prop_map(|(m, p, v, fields, eol, body)| {
+                    let mut s = format!("{m} {p} {v}{eol}");
+                    for f in fields {
+                        s.push_str(&f);
+                        s.push_str(eol);
+                    }
+                    s.push_str(eol);
+                    s.push_str(&body);
+                    s.into_bytes()
+                })
+        }
+
+        static HERE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+        #[test]
+        fn the_property_serves_some_heads() {
+            the_head_parser_agrees_with_httparse();
+            assert!(HERE.load(std::sync::atomic::Ordering::Relaxed) >= 20);
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 512, failure_persistence: None, ..ProptestConfig::default() })]
+
+            /// The own parser against httparse (the parser hyper runs): what it serves,
+            /// httparse reads as the same head, with exactly one Host and no bare LF; what it
+            /// refuses as malformed, httparse refuses too (or it breaks a rule httparse does
+            /// not check); and every strict prefix of a head it serves waits for more.
+            #[test]
+            fn the_head_parser_agrees_with_httparse(raw in head()) {
+                let buf = BytesMut::from(&raw[..]);
+                let mut fields = [httparse::EMPTY_HEADER; 100];
+                let mut r = httparse::Request::new(&mut fields);
+                let reference = r.parse(&raw);
+                match parse(&buf, 4 << 20) {
+                    Parsed::Here(h) => {
+                        HERE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        prop_assert_eq!(reference.clone().ok(), Some(httparse::Status::Complete(h.len)));
+                        let hosts = r.headers.iter().filter(|f| f.name.eq_ignore_ascii_case("host")).count();
+                        prop_assert_eq!(hosts, 1);
+                        prop_assert!(!bare_lf(&raw[..h.len]));
+                        for cut in 0..h.len {
+                            let part = BytesMut::from(&raw[..cut]);
+                            prop_assert!(matches!(parse(&part, 4 << 20), Parsed::Partial), "prefix {}", cut);
+                        }
+                    }
+                    Parsed::Reject(crate::proxy::conn::Malformed::Head) => {
+                        prop_assert!(reference.is_err() || r.method.is_some_and(|m| Method::from_bytes(m.as_bytes()).is_err()));
+                    }
+                    Parsed::Reject(_) | Parsed::Elsewhere => {}
+                    Parsed::Partial => prop_assert_eq!(reference.ok(), Some(httparse::Status::Partial)),
+                }
+            }
+        }
     }
 }

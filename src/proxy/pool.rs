@@ -346,6 +346,7 @@ impl UpstreamBody {
             if !conn.buf.is_empty() {
                 self.home.distrust();
             } else if self.keep_alive {
+                conn.ack_now();
                 self.home.put(self.lane, conn);
             }
         }
