@@ -271,9 +271,12 @@ async fn a_connection_closed_as_the_request_crossed_it_is_retried_on_a_fresh_one
     let sc = Sidecar::start_workers(&policy(&up.url(), ""), 1).await;
     for i in 0..12 {
         let text = format!("call-{i}");
-        let (st, _, b) = post_json(&sc.chat_url(), &chat(&text, false), &[]).await;
+        let (st, h, b) = post_json(&sc.chat_url(), &chat(&text, false), &[]).await;
         assert_eq!(st, 200, "call {i}: {}", String::from_utf8_lossy(&b));
         assert_eq!(json(&b)["choices"][0]["message"]["content"], text.as_str());
+        // Sent again by the pool, not retried by the governor as a failed attempt.
+        let a = sc.audit(&rid(&h)).await;
+        assert_eq!(a["attempts"].as_array().unwrap().len(), 1, "{a}");
     }
     assert_eq!(
         sc.circuit("a").raw_state(),
@@ -284,7 +287,7 @@ async fn a_connection_closed_as_the_request_crossed_it_is_retried_on_a_fresh_one
     sc.stop().await;
 }
 
-// Row 4: a secret split across two reads of a stream.
+// Row 4: a secret split across two reads of a stream passed through as it comes.
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_secret_split_across_two_reads_of_a_stream_is_redacted() {
@@ -294,21 +297,9 @@ async fn a_secret_split_across_two_reads_of_a_stream_is_redacted() {
         if read_request(&mut s, &mut buf).await.is_none() {
             return;
         }
-        let event = |content: &str| {
-            format!(
-                "data: {}\n\n",
-                j!({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
-                    "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": null}]})
-            )
-        };
-        let body = format!(
-            "{}{}data: {}\n\ndata: [DONE]\n\n",
-            event("the key is "),
-            event(&format!("{SECRET}!")),
-            j!({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
-                "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}})
-        );
+        let secret_piece = format!("{SECRET}!");
+        let body = common::native::anthropic_stream_events(&["the key is ", &secret_piece], 7, 3)
+            .concat();
         let split = body.find(SECRET).unwrap() + SECRET.len() / 2;
         let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
         let chunk = |b: &str| format!("{:x}\r\n{b}\r\n", b.len());
@@ -321,14 +312,21 @@ async fn a_secret_split_across_two_reads_of_a_stream_is_redacted() {
             .await;
     })
     .await;
-    let sc = Sidecar::start(&policy(&up.url(), "")).await;
-    let r = post_json_frames(&sc.chat_url(), &chat("hi", true), &[]).await;
+    let yaml = format!(
+        "version: wire\nbackends:\n  - {{id: a, kind: anthropic, base_url: \"http://{}\", api_key_env: {KEY_ENV}}}\nroutes:\n  - {{model: chat, chain: [{{backend: a, model: claude-x}}]}}\n",
+        up.addr
+    );
+    let sc = Sidecar::start(&yaml).await;
+    let url = format!("{}/messages", sc.base);
+    let body = j!({"model": "chat", "max_tokens": 20, "stream": true,
+                   "messages": [{"role": "user", "content": "hi"}]});
+    let r = post_json_frames(&url, &body, &[]).await;
     assert_eq!(r.status, 200);
     let text = r.text();
     assert!(!text.contains(SECRET), "{text}");
     assert!(!text.contains(&SECRET[..SECRET.len() / 2]), "{text}");
     assert!(text.contains("[redacted]!"), "{text}");
-    assert!(text.contains("[DONE]"), "{text}");
+    assert!(text.contains("message_stop"), "{text}");
     sc.stop().await;
 }
 
@@ -444,6 +442,27 @@ async fn a_request_without_exactly_one_host_is_refused_on_both_paths() {
         assert!(got.starts_with("HTTP/1.1 400"), "{raw:?} -> {got}");
         assert!(got.contains("malformed_request"), "{got}");
     }
+    assert_eq!(up.conns.load(Ordering::SeqCst), 0);
+    sc.stop().await;
+}
+
+// Row 5: a body of many small containers is refused before it is parsed.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_of_too_many_json_containers_is_refused_before_its_parse() {
+    std::env::set_var(KEY_ENV, SECRET);
+    let up = Raw::start(|_, _| async {}).await;
+    let yaml = policy(&up.url(), "server: {max_body_bytes: 8388608}\n");
+    let sc = Sidecar::start(&yaml).await;
+    let part = j!({"role": "user", "content": [{"type": "text", "text": "x"}]});
+    let body = j!({"model": "chat", "max_tokens": 5, "messages": vec![part; 30_000]});
+    let (st, _, b) = post_json(&sc.chat_url(), &body, &[]).await;
+    assert_eq!(st, 400, "{}", String::from_utf8_lossy(&b));
+    assert!(
+        String::from_utf8_lossy(&b).contains("JSON objects and arrays"),
+        "{}",
+        String::from_utf8_lossy(&b)
+    );
     assert_eq!(up.conns.load(Ordering::SeqCst), 0);
     sc.stop().await;
 }

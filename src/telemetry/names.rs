@@ -36,8 +36,9 @@ pub const TOLLGATE_POLICY_INFO: &str = "tollgate_policy_info";
 /// counter {outcome}: alert crossings and their webhook deliveries (an extension).
 pub const TOLLGATE_ALERTS_TOTAL: &str = "tollgate_alerts_total";
 /// counter {port, reason}: connections closed by the sidecar before any request: `limit`
-/// (past `server.max_connections`, answered 503) or `idle` (no byte within
-/// `server.header_read_timeout`).
+/// (past `server.max_connections`, answered 503), `idle` (no byte within
+/// `server.header_read_timeout`), `slow_head` (a head begun and not whole within it) or
+/// `malformed` (a head answered 400/431/414).
 pub const TOLLGATE_CONNECTIONS_REFUSED_TOTAL: &str = "tollgate_connections_refused_total";
 /// counter {backend}: calls whose committed usage was above their reserved worst case (a
 /// provider billing past the cap it was sent, or an absurd usage report).
@@ -112,7 +113,7 @@ pub fn describe() {
     describe_counter!(
         TOLLGATE_CONNECTIONS_REFUSED_TOTAL,
         Unit::Count,
-        "Connections closed before any request, by port (data/admin) and reason (limit/idle)"
+        "Connections closed before any request, by port (data/admin) and reason (limit/idle/slow_head/malformed)"
     );
     describe_counter!(
         TOLLGATE_USAGE_OVER_RESERVATION_TOTAL,
