@@ -51,6 +51,7 @@ fn served() -> Entry {
         circuit_after: CircuitState::Closed,
         latency_ms: 1,
         waited_ms: 0,
+        committed_tokens: 0,
     });
     Entry {
         ts: "2026-12-07T00:00:00Z".into(),
