@@ -550,3 +550,49 @@ async fn the_reserve_script_holds_a_reservation_id_once() {
     assert_eq!(r, vec![2]);
     common::redis_keys::delete_prefix(url, &p).await;
 }
+
+/// (c'') A Redis Cluster node that does not own the namespace's slot answers PING but every
+/// reservation gets `MOVED` (tollgate has no cluster client): /readyz is 503 and names
+/// `MOVED`, requests get 503 `STATE_UNAVAILABLE`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_is_503_and_names_moved_on_a_cluster_node_without_the_slot() {
+    let up = MockUpstream::start_with_default(vec![], ok_answer()).await;
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (pa, pb) = (free_port(), free_port());
+    let cluster = [
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+    ];
+    let _a = redis_server(pa, da.path(), &cluster).await;
+    let _b = redis_server(pb, db.path(), &cluster).await;
+    let (ua, ub) = (
+        format!("redis://127.0.0.1:{pa}/"),
+        format!("redis://127.0.0.1:{pb}/"),
+    );
+    // Every slot on b; a learns it by gossip.
+    let _: () = redis_cmd(&ub, &["CLUSTER", "ADDSLOTSRANGE", "0", "16383"]).await;
+    let _: () = redis_cmd(&ua, &["CLUSTER", "MEET", "127.0.0.1", &pb.to_string()]).await;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let nodes: String = redis_cmd(&ua, &["CLUSTER", "NODES"]).await;
+        let info: String = redis_cmd(&ua, &["CLUSTER", "INFO"]).await;
+        if nodes.contains("0-16383") && info.contains("cluster_state:ok") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "cluster did not form: {nodes}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let pong: String = redis_cmd(&ua, &["PING"]).await;
+    assert_eq!(pong, "PONG", "PING answers on the wrong node");
+    let bounds =
+        "quotas:\n  - {name: q, scope: consumer, match: \"*\", window: day, limit_requests: 1000}";
+    let r = Replica::start(&up.base_url(), &ua, &ns("moved"), "", bounds, &[]).await;
+    let (status, body) = r.readyz().await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("MOVED"), "{body}");
+    assert_eq!(r.chat().await, (503, "STATE_UNAVAILABLE".into()));
+    assert!(r.log().contains("MOVED"), "{}", r.log());
+    assert!(!r.log().contains("does not answer"), "{}", r.log());
+}
