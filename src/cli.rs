@@ -255,6 +255,11 @@ pub async fn serve(args: &ServeArgs) -> u8 {
         running.watch_policy(p.to_path_buf());
     }
     if let Some(store) = state.redis.clone() {
+        store.start_monitor();
+        let s = store.clone();
+        running
+            .ops
+            .set_state_status(std::sync::Arc::new(move || s.status()));
         running.ops.set_state_check(std::sync::Arc::new(move || {
             let store = store.clone();
             Box::pin(async move { store.ready().await })

@@ -202,6 +202,38 @@ async fn an_expired_lease_releases_a_dead_holders_worst_case() {
     cleanup(s.prefix()).await;
 }
 
+/// A settle that arrives after its hold's lease ran out (a journal replay after an outage)
+/// still commits the actual usage, and a replay of it never counts twice.
+#[tokio::test]
+async fn a_settle_after_the_lease_commits_once() {
+    let n = ns("late");
+    let s = store(&n, 300);
+    let a = day_key("a");
+    let parts = [SharedPart {
+        key: &a,
+        hard: [Some(50), None, None],
+        expires_at: far(),
+    }];
+    let (r, _) = s.reserve_hold(&parts, tokens(40)).await.unwrap();
+    let mut late = r.unwrap();
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    // Another reservation purges the expired hold.
+    let (r, _) = s.reserve_hold(&parts, tokens(40)).await.unwrap();
+    let mut live = r.expect("the expired hold was purged");
+    assert_eq!(late.settle_now(Some(tokens(5))).await.unwrap(), 1);
+    let k = s.counter_key(&a);
+    assert_eq!((hget(&k, "ct").await, hget(&k, "ht").await), (5, 40));
+    assert_eq!(
+        late.settle_now(Some(tokens(5))).await.unwrap(),
+        0,
+        "replayed"
+    );
+    assert_eq!(hget(&k, "ct").await, 5, "counted once");
+    live.settle_now(None).await.unwrap();
+    assert_eq!(hget(&k, "ht").await, 0);
+    cleanup(s.prefix()).await;
+}
+
 #[tokio::test]
 async fn keys_expire_with_their_window() {
     let n = ns("ttl");

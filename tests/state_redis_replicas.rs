@@ -368,7 +368,10 @@ async fn redis_stopped_mid_run_follows_on_unavailable_and_recovers() {
             "local serves from its own ledger"
         );
     }
-    let mut served = ALONE as i64;
+    // Plus the call served before Redis stopped: the restarted Redis has lost it, and the
+    // replica's journal gives it back (issue 51: lost counters are rebuilt, never a fresh
+    // budget).
+    let mut served = ALONE as i64 + 1;
     assert!(
         local
             .serve
@@ -383,7 +386,8 @@ async fn redis_stopped_mid_run_follows_on_unavailable_and_recovers() {
     wait_redis(&url).await;
     assert_eq!(until_status(&deny, 200).await.0, 200, "deny recovers");
     assert_eq!(readyz(&deny).await, 200, "ready again");
-    assert_eq!(chat(&local).await.0, 200);
+    // (May meet 503 STATE_REBUILDING while local gives its share back.)
+    assert_eq!(until_status(&local, 200).await.0, 200);
     served += 1;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -401,8 +405,8 @@ async fn redis_stopped_mid_run_follows_on_unavailable_and_recovers() {
         assert!(Instant::now() < deadline, "local never went back to Redis");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // The restarted Redis is empty: what it holds for local is exactly what local served since
-    // the kill, the outage's share written back once (none twice, none lost), nothing held.
+    // The restarted Redis was empty: what it holds for local is exactly what local served,
+    // the outage's share written back once (none twice, none lost), nothing held.
     let deadline = Instant::now() + Duration::from_secs(10);
     let [requests, held] = loop {
         let v = sums(&url, "l", "consumer", ["cr", "hr"]).await;

@@ -35,12 +35,16 @@ const DASHBOARD: &str = include_str!("dashboard.html");
 pub type ReadyCheck =
     Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Result<(), String>> + Send>> + Send + Sync>;
 
+/// What the state store says about itself in `/admin/status` (`state`).
+pub type StatusHook = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
+
 /// Per-sidecar admin state: where the policy comes from, how the last reload went, the admin
 /// token and the readiness hook.
 pub struct Ops {
     policy_path: ArcSwapOption<PathBuf>,
     token: ArcSwapOption<String>,
     state_check: ArcSwapOption<ReadyCheck>,
+    state_status: ArcSwapOption<StatusHook>,
     pub(crate) reloads: Mutex<ReloadStatus>,
     /// Serialises reloads (file watch, SIGHUP and the API may race).
     reload_lock: tokio::sync::Mutex<()>,
@@ -66,6 +70,7 @@ impl Ops {
             policy_path: ArcSwapOption::empty(),
             token: ArcSwapOption::new(token),
             state_check: ArcSwapOption::empty(),
+            state_status: ArcSwapOption::empty(),
             reloads: Mutex::new(ReloadStatus::new(version)),
             reload_lock: tokio::sync::Mutex::new(()),
         }
@@ -80,6 +85,16 @@ impl Ops {
     /// The state store's readiness check (filled by the store when it is not in memory).
     pub fn set_state_check(&self, check: ReadyCheck) {
         self.state_check.store(Some(Arc::new(check)));
+    }
+
+    /// The state store's part of `/admin/status` (filled by the Redis store).
+    pub fn set_state_status(&self, hook: StatusHook) {
+        self.state_status.store(Some(Arc::new(hook)));
+    }
+
+    /// The state store's part of `/admin/status`, if it has one.
+    pub fn state_status(&self) -> Option<serde_json::Value> {
+        self.state_status.load().as_ref().map(|h| (**h)())
     }
 
     /// The policy file or directory that reloads read.

@@ -265,7 +265,7 @@ pub fn status(app: &App, ops: &Ops) -> Value {
     let last_error = st
         .last_error
         .map(|(t, trig, msg)| json!({"at": ts(t), "trigger": trig.as_str(), "message": msg}));
-    json!({
+    let mut out = json!({
         "now": ts(now),
         "policy": {
             "version": &*policy.version,
@@ -287,7 +287,12 @@ pub fn status(app: &App, ops: &Ops) -> Value {
         "open_circuits": open,
         "limits": limits,
         "health_thresholds": {"red_below": RED_BELOW, "yellow_below": YELLOW_BELOW},
-    })
+    });
+    // The shared state store (Redis): availability, eviction policy, rebuilds, journal.
+    if let (Some(state), Some(o)) = (ops.state_status(), out.as_object_mut()) {
+        o.insert("state".into(), state);
+    }
+    out
 }
 
 #[cfg(test)]

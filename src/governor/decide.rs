@@ -72,6 +72,8 @@ struct RequestBlock {
 enum Halt {
     /// The shared state store did not answer (fail closed; every entry needs it).
     StateUnavailable,
+    /// The shared store's counters are being rebuilt after it lost them (fail closed).
+    StateRebuilding,
     /// Gate 7: the amplification cap or the job's fallbacks.
     RetryBudget,
     /// Gate 7: the job's attempts are spent.
@@ -135,6 +137,7 @@ fn waiting_helps(reason: ReasonClass) -> Waiting {
         | ReasonClass::Unauthenticated
         | ReasonClass::BadRequest
         | ReasonClass::StateUnavailable
+        | ReasonClass::StateRebuilding
         | ReasonClass::FallbackOverBudget
         | ReasonClass::SoftBudgetExceeded
         | ReasonClass::CircuitOpen
@@ -443,6 +446,7 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
             // The shared store cannot say whether this fits: fail closed, and no other
             // entry can do better (they need the same store).
             Err(ReserveError::Unavailable) => Err(walk.halt(Halt::StateUnavailable)),
+            Err(ReserveError::Rebuilding) => Err(walk.halt(Halt::StateRebuilding)),
             Err(ReserveError::Refused(refusal)) => {
                 Err(self.refused(walk, entry, tries, ask, refusal))
             }
@@ -998,6 +1002,10 @@ impl Walk {
                 self.rec.reason_class.note(ReasonClass::StateUnavailable);
                 self.hint(STATE_RETRY_MS);
             }
+            Halt::StateRebuilding => {
+                self.rec.reason_class.note(ReasonClass::StateRebuilding);
+                self.hint(STATE_RETRY_MS);
+            }
             Halt::RetryBudget => {
                 self.rec
                     .reason_class
@@ -1102,7 +1110,8 @@ impl Walk {
         }
         Some(match ending {
             Ending::Halted(Halt::AttemptsSpent) => RetryState::Exhausted,
-            Ending::AllTried | Ending::Halted(Halt::StateUnavailable | Halt::RetryBudget) => {
+            Ending::AllTried
+            | Ending::Halted(Halt::StateUnavailable | Halt::StateRebuilding | Halt::RetryBudget) => {
                 match (self.retry_blocked, self.made_retry, self.not_retryable) {
                     (false, true, _) => RetryState::Retried,
                     // Nothing blocked a retry: the failure (a 401) is not one to retry.

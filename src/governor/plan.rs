@@ -17,6 +17,9 @@ pub struct PartInfo {
     /// Every bound attached to this counter (soft limits and alerts are read from them):
     /// one or two as a rule, kept inline (no allocation per counter per request).
     pub bounds: smallvec::SmallVec<[usize; 2]>,
+    /// The counter lives with the request only (request scope, or an undeclared job's):
+    /// never shared, never persisted.
+    pub ephemeral: bool,
 }
 
 impl PartInfo {
@@ -57,6 +60,7 @@ fn add(
     idx: usize,
     b: &Bound,
     key: CounterKey,
+    ephemeral: bool,
     make: impl FnOnce() -> Arc<Counter>,
 ) {
     let pos = parts.iter().position(|p| p.key == key);
@@ -69,6 +73,7 @@ fn add(
                 hard: [None; 3],
                 hard_src: [None; 3],
                 bounds: smallvec::SmallVec::new(),
+                ephemeral,
             });
             let last = parts.len() - 1;
             &mut parts[last]
@@ -135,9 +140,11 @@ pub fn request_parts(
         if b.scope == Scope::Request || (b.scope == Scope::Job && who.ephemeral_job) {
             // A request's counter (an undeclared job's too) lives only as long as the
             // request: keep it out of the map.
-            add(&mut parts, idx, b, key, || Arc::new(Counter::new(i64::MAX)));
+            add(&mut parts, idx, b, key, true, || {
+                Arc::new(Counter::new(i64::MAX))
+            });
         } else {
-            add(&mut parts, idx, b, key.clone(), || {
+            add(&mut parts, idx, b, key.clone(), false, || {
                 ledger.counter_near(near_slot(idx, 0), &key, expires)
             });
         }
@@ -172,7 +179,7 @@ pub fn entry_parts(
             continue;
         }
         let (key, expires) = key_for(b, id, windows);
-        add(&mut parts, idx, b, key.clone(), || {
+        add(&mut parts, idx, b, key.clone(), false, || {
             ledger.counter_near(near_slot(idx, backend_index), &key, expires)
         });
     }

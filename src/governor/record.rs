@@ -45,6 +45,9 @@ state_enum!(
         // Not in SPEC §2's list: the shared state store (Redis) did not answer, so no bound
         // could be judged. It precedes the bounds' gates; the answer is DEFER 503.
         StateUnavailable => "STATE_UNAVAILABLE",
+        // Also tollgate's: Redis lost its counters (epoch marker gone) and they are being
+        // rebuilt from the replicas' journals; no hard bound is judged until they are.
+        StateRebuilding => "STATE_REBUILDING",
         RateLimited => "RATE_LIMITED",
         QuotaBlocked => "QUOTA_BLOCKED",
         HardBudgetExceeded => "HARD_BUDGET_EXCEEDED",

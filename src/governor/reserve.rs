@@ -13,6 +13,8 @@ pub(super) enum ReserveError {
     Refused(Refusal),
     /// The shared store did not answer and `state.on_unavailable` is `deny`.
     Unavailable,
+    /// The shared store lost its counters and they are being rebuilt (any `on_unavailable`).
+    Rebuilding,
 }
 
 impl Governor {
@@ -53,9 +55,10 @@ impl Governor {
         amount: Amount,
         now: Millis,
     ) -> Result<Reservation, ReserveError> {
-        // A request's own counter lives and dies with the request: it stays local.
+        // A request's own counter lives and dies with the request: it stays local. So does an
+        // undeclared job's (the job is the request alone): it would only leave keys behind.
         let idx: Vec<usize> = (0..all.len())
-            .filter(|&i| all[i].key.scope != Scope::Request)
+            .filter(|&i| all[i].key.scope != Scope::Request && !all[i].ephemeral)
             .collect();
         if idx.is_empty() {
             return self.reserve_local(&reserve, amount);
@@ -89,6 +92,7 @@ impl Governor {
                     Err(refusal) => Err(ReserveError::Refused(refusal)),
                 }
             }
+            Ok(SharedReply::Rebuilding) => Err(ReserveError::Rebuilding),
             Ok(SharedReply::Refused {
                 part,
                 refusal,

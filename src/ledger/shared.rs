@@ -33,6 +33,9 @@ pub enum SharedReply {
         refusal: DimRefusal,
         committed: Vec<Amount>,
     },
+    /// Nothing held: the store lost its counters (its epoch marker is gone) and they are
+    /// being rebuilt from the replicas' journals; no hard bound can be judged until then.
+    Rebuilding,
 }
 
 /// The store did not answer (down, timed out, or recently failed and not retried yet).

@@ -226,6 +226,9 @@ impl Refusal {
 pub fn explain(rec: &Record) -> String {
     let why = match rec.reason_class {
         ReasonClass::StateUnavailable => "the shared state store does not answer",
+        ReasonClass::StateRebuilding => {
+            "the shared counters are being rebuilt after the store lost them"
+        }
         ReasonClass::RateLimited => "a rate limit is full",
         ReasonClass::QuotaBlocked => "a quota is used up",
         ReasonClass::HardBudgetExceeded => {

@@ -16,6 +16,26 @@
 //! `job_idle_ttl` + lease after their last use). The single tag puts a namespace's counters
 //! on one cluster node: Cluster-safe, not sharded — one namespace's traffic is one node's.
 //!
+//! Besides the counters: `{tollgate:<namespace>}:epoch` (STRING, no TTL) marks the counters
+//! as whole, `...:rebuilding` (STRING, a few seconds' TTL) says they are being rebuilt, and
+//! `...:probe` is the readiness probe's write.
+//!
+//! **Journal.** A settle or release that cannot reach Redis is queued (at most `MAX_DEBTS`)
+//! and replayed, oldest first, once Redis answers: `settle.lua` is idempotent by reservation
+//! id, and commits the actual even when the hold's lease ran out. A reserve whose reply was
+//! lost is retried once with the same reservation id (`reserve.lua` holds a reservation id
+//! once); if that fails too, its release is queued like a settle.
+//!
+//! **Epoch.** Every replica keeps a bounded record of what it committed per counter in the
+//! windows in force (`Book::committed`). The scripts compare the epoch marker with the one
+//! the replica adopted; when Redis comes back without it (restart without persistence,
+//! FLUSHALL, eviction), the replica that notices writes a new marker, sets the rebuilding
+//! flag (hard-bounded reservations are refused, `STATE_REBUILDING`, while it lasts) and
+//! re-applies its record (idempotent per replica and epoch); every other live replica does
+//! the same when it notices (its next call, or the monitor's check each second). A write
+//! made in an older epoch is refused by the script and is never replayed: its usage is in
+//! the record the rebuild applied. See docs/scale-out.md for the argument.
+//!
 //! When Redis does not answer (connect or response timeout: 500 ms), the store reports
 //! [`StoreUnavailable`] and stops trying for one second; the governor then follows
 //! `state.on_unavailable`. The next attempt after that second reconnects. In `local` mode the
@@ -32,12 +52,47 @@ use crate::units::{Amount, Dim, Millis};
 use arc_swap::ArcSwapOption;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Script};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 const RESERVE_LUA: &str = include_str!("reserve.lua");
 const SETTLE_LUA: &str = include_str!("settle.lua");
+/// Reads the epoch marker; writes a new one (and the rebuilding flag when asked) if absent.
+/// KEYS[1] marker, KEYS[2] rebuilding flag; ARGV[1] new epoch, ARGV[2] flag ms (0 = none).
+/// Returns {epoch, 1 if written now else 0}.
+const EPOCH_LUA: &str = r"
+local e = redis.call('GET', KEYS[1])
+if e then return {e, 0} end
+redis.call('SET', KEYS[1], ARGV[1])
+if tonumber(ARGV[2]) > 0 then redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2]) end
+return {ARGV[1], 1}
+";
+/// The readiness probe: a write under the namespace's tag (what a reservation needs: the
+/// right node, memory, auth, a server that is not paused), then the epoch marker and the
+/// rebuilding flag's time left. KEYS[1] probe, KEYS[2] marker, KEYS[3] flag.
+const PROBE_LUA: &str = r"
+redis.call('SET', KEYS[1], '1', 'PX', 60000)
+return {redis.call('GET', KEYS[2]) or '', redis.call('PTTL', KEYS[3])}
+";
+/// Gauge: 1 when Redis' `maxmemory-policy` may evict tollgate's keys (anything but
+/// `noeviction`), else 0 (also while unknown).
+pub const TOLLGATE_STATE_EVICTION_UNSAFE: &str = "tollgate_state_eviction_unsafe";
+/// Gauge: 1 while this replica refuses hard-bounded requests because the shared counters are
+/// being rebuilt (`STATE_REBUILDING`).
+pub const TOLLGATE_STATE_REBUILDING: &str = "tollgate_state_rebuilding";
+/// Gauge: settlements waiting in the local journal to be written to Redis.
+pub const TOLLGATE_STATE_JOURNAL_PENDING: &str = "tollgate_state_journal_pending";
+/// How long the rebuilding flag refuses hard-bounded reservations after Redis lost the
+/// counters: every live replica notices within `EPOCH_EVERY` and re-applies its journal.
+pub const REBUILD_GRACE_MS: i64 = 3_000;
+/// How often the monitor compares the epoch marker (and replays what is pending).
+pub const EPOCH_EVERY: Duration = Duration::from_secs(1);
+/// How often `maxmemory-policy` is read (`TOLLGATE_STATE_CHECK_INTERVAL_MS` overrides).
+pub const POLICY_EVERY: Duration = Duration::from_secs(60);
+/// Most counters in the record of what this replica committed in the windows in force.
+const MAX_BOOK: usize = 100_000;
 
 /// Connect and response timeout for every Redis call.
 pub const REDIS_TIMEOUT: Duration = Duration::from_millis(500);
@@ -47,9 +102,8 @@ pub const RETRY_AFTER_FAILURE_MS: i64 = 1000;
 const KEY_SLACK_MS: i64 = 60_000;
 /// How long a settled reservation id is remembered (settle retries within it are no-ops).
 const SETTLED_KEEP_MS: i64 = 3_600_000;
-/// Background settle attempts before the hold is left to its lease.
-const SETTLE_TRIES: u32 = 4;
-/// Most requests' usage queued for write-back after an outage (`state.on_unavailable: local`).
+/// Most settlements journaled while Redis does not take them (also the usage a replica
+/// counts alone in `state.on_unavailable: local`).
 const MAX_DEBTS: usize = 100_000;
 
 fn wall_ms() -> Millis {
@@ -83,6 +137,73 @@ struct Inner {
     debts: std::sync::Mutex<std::collections::VecDeque<Debt>>,
     /// A task is writing `debts` back.
     paying: AtomicBool,
+    epoch_key: String,
+    rebuild_key: String,
+    probe_key: String,
+    epoch_lua: Script,
+    probe_lua: Script,
+    /// The adopted epoch, what this replica committed per counter, a rebuild to apply.
+    book: std::sync::Mutex<Book>,
+    /// One epoch check at a time.
+    syncing: tokio::sync::Mutex<()>,
+    /// A rebuild of this replica's share is pending (mirror of `Book::pending`).
+    rebuilding: AtomicBool,
+    /// What the last failure was, named as Redis named it (for logs, /readyz, status).
+    last_error: std::sync::Mutex<Option<String>>,
+    /// `maxmemory-policy` as last read (`unknown` when CONFIG is refused).
+    eviction: std::sync::Mutex<Option<String>>,
+    /// When this replica last rebuilt its share, and how much (for status).
+    last_rebuild: std::sync::Mutex<Option<serde_json::Value>>,
+}
+
+/// The epoch this replica works in and its journal of committed usage.
+#[derive(Debug, Default)]
+struct Book {
+    epoch: Option<Arc<str>>,
+    /// Redis counter key -> (committed by this replica since it started, key expiry ms).
+    committed: HashMap<String, (Amount, i64)>,
+    full_said: bool,
+    pending: Option<Rebuild>,
+}
+
+/// This replica's share of the counters, to write into a new epoch.
+#[derive(Debug, Clone)]
+struct Rebuild {
+    epoch: Arc<str>,
+    counters: Vec<(String, Amount, i64)>,
+}
+
+impl Book {
+    /// Adds `actual` to every counter of `slot` (bounded: past `MAX_BOOK` counters, expired
+    /// ones are dropped first; if still full, the counter is not recorded, said once).
+    fn record(&mut self, slot: &Slot, actual: Amount, now: Millis) {
+        if actual == Amount::ZERO {
+            return;
+        }
+        for (i, exp) in slot.expires.iter().enumerate() {
+            let Some(k) = slot.keys.get(3 * i) else {
+                continue;
+            };
+            if !self.committed.contains_key(k) && self.committed.len() >= MAX_BOOK {
+                self.committed.retain(|_, (_, e)| *e > now);
+                if self.committed.len() >= MAX_BOOK {
+                    if !self.full_said {
+                        self.full_said = true;
+                        tracing::error!(
+                            "state: the journal of committed usage holds {MAX_BOOK} counters; new counters are not recorded (a Redis that loses its counters would not get their usage back from this replica)"
+                        );
+                    }
+                    continue;
+                }
+            }
+            let e = self
+                .committed
+                .entry(k.clone())
+                .or_insert((Amount::ZERO, *exp));
+            e.0 = sat_add(e.0, actual);
+            e.1 = e.1.max(*exp);
+        }
+    }
 }
 
 /// Where one reservation lives in Redis: its counters' keys (3 each), their expiries, and its
@@ -93,13 +214,72 @@ struct Slot {
     expires: Vec<i64>,
     member: String,
     rid_len: usize,
+    /// The epoch the reservation was made in (`None`: before any epoch was known).
+    epoch: Option<Arc<str>>,
 }
 
-/// A settlement owed to Redis: usage committed by this replica alone during an outage.
+/// A settlement owed to Redis: usage committed (or a hold to release, `actual: None`) that
+/// could not be written when it happened.
 #[derive(Debug)]
 struct Debt {
     slot: Slot,
-    actual: Amount,
+    actual: Option<Amount>,
+}
+
+/// What `settle.lua` answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Settled {
+    /// This many counters settled now (0: all before).
+    Done(i64),
+    /// The hold's epoch is gone: nothing written (the rebuild carries the usage).
+    Lost,
+}
+
+/// What `reserve.lua` answered.
+enum Reserved {
+    Held(RedisHold, Vec<Amount>),
+    Refused(usize, DimRefusal, Vec<Amount>),
+    Rebuilding,
+}
+
+/// The name of a Redis failure as Redis gave it (`MOVED`, `OOM`, `NOAUTH`, `TRYAGAIN`, a
+/// timeout, a refused connection), with what it means for tollgate. Never the URL.
+pub fn describe(e: &redis::RedisError) -> String {
+    if let Some(code) = e.code() {
+        let detail: String = e.detail().unwrap_or("").chars().take(160).collect();
+        let what = match code {
+            "MOVED" | "ASK" => {
+                "this node does not own the namespace's slot; tollgate has no Redis Cluster client: point state.redis_url at the owning node or a non-cluster Redis"
+            }
+            "OOM" => "Redis is out of memory (maxmemory reached)",
+            "NOAUTH" | "WRONGPASS" => "Redis wants authentication: put the password in state.redis_url",
+            "NOPERM" => "the Redis user may not run tollgate's scripts",
+            "TRYAGAIN" => "the cluster is resharding this slot",
+            "CLUSTERDOWN" => "the Redis cluster is down",
+            "READONLY" => "this Redis is a read-only replica",
+            "LOADING" => "Redis is loading its dataset",
+            "MASTERDOWN" => "the replica's master is down",
+            "BUSY" => "Redis is busy running a script",
+            _ => "Redis refused the call",
+        };
+        return format!("{code} {detail} ({what})").replace("  ", " ");
+    }
+    if e.is_timeout() {
+        format!("timeout: no answer within {} ms", REDIS_TIMEOUT.as_millis())
+    } else if e.is_connection_refusal() {
+        "connection refused".to_string()
+    } else if e.is_connection_dropped() {
+        "connection dropped".to_string()
+    } else if e.kind() == redis::ErrorKind::AuthenticationFailed {
+        "authentication failed".to_string()
+    } else {
+        e.category().to_string()
+    }
+}
+
+/// Whether the call's reply may simply have been lost (the script may have run).
+fn reply_lost(e: &redis::RedisError) -> bool {
+    e.code().is_none() && (e.is_timeout() || e.is_io_error() || e.is_connection_dropped())
 }
 
 /// A reservation held in Redis; see [`SharedHold`]. An `owed` hold holds nothing: it was
@@ -110,6 +290,23 @@ pub struct RedisHold {
     slot: Slot,
     owed: bool,
     settled: bool,
+}
+
+fn sat_add(a: Amount, b: Amount) -> Amount {
+    Amount {
+        tokens: a.tokens.saturating_add(b.tokens),
+        requests: a.requests.saturating_add(b.requests),
+        usd: a.usd.saturating_add(b.usd),
+    }
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A number from the network as a bounded count (negative: 0).
+fn count(v: i64) -> u64 {
+    v.max(0) as u64
 }
 
 impl RedisStore {
@@ -140,6 +337,7 @@ impl RedisStore {
         let client = redis::Client::open(url).map_err(|e| {
             super::StateError(format!("state.redis_url is not usable: {:?}", e.kind()))
         })?;
+        let prefix = format!("{{tollgate:{namespace}}}");
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 client,
@@ -147,9 +345,12 @@ impl RedisStore {
                 connecting: tokio::sync::Mutex::new(()),
                 down_until: AtomicI64::new(0),
                 down: AtomicBool::new(false),
-                prefix: format!("{{tollgate:{namespace}}}"),
-                lease_ms: lease.as_millis() as i64,
-                job_ttl_ms: job_idle_ttl.as_millis() as i64,
+                epoch_key: format!("{prefix}:epoch"),
+                rebuild_key: format!("{prefix}:rebuilding"),
+                probe_key: format!("{prefix}:probe"),
+                prefix,
+                lease_ms: lease.as_millis().min(i64::MAX as u128) as i64,
+                job_ttl_ms: job_idle_ttl.as_millis().min(i64::MAX as u128) as i64,
                 on_unavailable,
                 rid_prefix: format!("{:016x}", rand::random::<u64>()),
                 seq: AtomicU64::new(0),
@@ -157,6 +358,14 @@ impl RedisStore {
                 settle: Script::new(SETTLE_LUA),
                 debts: std::sync::Mutex::new(std::collections::VecDeque::new()),
                 paying: AtomicBool::new(false),
+                epoch_lua: Script::new(EPOCH_LUA),
+                probe_lua: Script::new(PROBE_LUA),
+                book: std::sync::Mutex::new(Book::default()),
+                syncing: tokio::sync::Mutex::new(()),
+                rebuilding: AtomicBool::new(false),
+                last_error: std::sync::Mutex::new(None),
+                eviction: std::sync::Mutex::new(None),
+                last_rebuild: std::sync::Mutex::new(None),
             }),
         })
     }
@@ -176,39 +385,153 @@ impl RedisStore {
         self.inner.down.load(Ordering::Acquire)
     }
 
-    /// The readiness probe: one PING. In `deny` mode an unreachable Redis makes the replica
-    /// unready (it would refuse every request); in `local` mode it serves on its own ledger, so
-    /// it stays ready and only reports the outage. A failed PING marks the store down like a
-    /// failed reservation; a good one lets the next reservation reconnect at once.
+    /// Settlements waiting in the journal to be written to Redis.
+    pub fn pending(&self) -> usize {
+        lock(&self.inner.debts).len()
+    }
+
+    /// The readiness probe: one write under the namespace's tag, i.e. what a reservation
+    /// needs (a PING answers on a wrong cluster node, out of memory, unauthenticated...).
+    /// In `deny` mode a store that cannot take reservations makes the replica unready (it
+    /// would refuse every request); in `local` mode it serves on its own ledger, so it stays
+    /// ready and only reports the outage. While the counters are being rebuilt the replica
+    /// is unready in both modes (it refuses hard-bounded requests).
     pub async fn ready(&self) -> Result<(), String> {
-        let ping = async {
-            let mut c = self.inner.conn().await.map_err(|_| None)?;
-            redis::cmd("PING")
-                .query_async::<String>(&mut c)
+        let inner = &self.inner;
+        let probe = async {
+            let mut c = inner.conn().await.map_err(|_| None)?;
+            let mut inv = inner.probe_lua.prepare_invoke();
+            inv.key(&inner.probe_key)
+                .key(&inner.epoch_key)
+                .key(&inner.rebuild_key);
+            inv.invoke_async::<(String, i64)>(&mut c)
                 .await
                 .map_err(Some)
         };
-        match ping.await {
-            Ok(_) => Ok(()),
-            Err(e) => {
-                if let Some(e) = &e {
-                    self.inner.failed(e);
+        match probe.await {
+            Ok((epoch, flag_ms)) => {
+                inner.answered();
+                let adopted = lock(&inner.book).epoch.clone();
+                if inner.rebuilding.load(Ordering::Acquire) || flag_ms > 0 {
+                    return Err(
+                        "shared counters are being rebuilt after Redis lost them (STATE_REBUILDING)"
+                            .into(),
+                    );
                 }
-                match self.inner.on_unavailable {
-                    OnUnavailable::Deny => Err("redis (state.backend) does not answer".into()),
+                if adopted.is_some_and(|a| *a != *epoch) {
+                    return Err("Redis lost the shared counters (epoch marker changed or missing); rebuilding (STATE_REBUILDING)".into());
+                }
+                Ok(())
+            }
+            Err(e) => {
+                let why = match &e {
+                    Some(e) => {
+                        inner.failed(e);
+                        describe(e)
+                    }
+                    None => lock(&inner.last_error)
+                        .clone()
+                        .unwrap_or_else(|| "does not answer".into()),
+                };
+                match inner.on_unavailable {
+                    OnUnavailable::Deny => Err(format!(
+                        "redis (state.backend) cannot take reservations: {why}"
+                    )),
                     OnUnavailable::Local => Ok(()),
                 }
             }
         }
     }
 
+    /// What `/admin/status` shows under `state`.
+    pub fn status(&self) -> serde_json::Value {
+        let i = &self.inner;
+        let policy = lock(&i.eviction).clone();
+        let unsafe_ = policy
+            .as_deref()
+            .is_some_and(|p| p != "noeviction" && p != "unknown");
+        let (epoch, counters) = {
+            let b = lock(&i.book);
+            (b.epoch.as_deref().map(str::to_owned), b.committed.len())
+        };
+        let mut warnings = Vec::new();
+        if unsafe_ {
+            warnings.push(format!(
+                "Redis maxmemory-policy is {}: it may evict tollgate's counters (they carry TTLs); set noeviction",
+                policy.as_deref().unwrap_or("")
+            ));
+        }
+        let last_rebuild = lock(&i.last_rebuild).clone();
+        if last_rebuild.is_some() {
+            warnings.push("Redis lost the shared counters; they were rebuilt from the live replicas' journals: usage of replicas that died since may be missing".to_string());
+        }
+        serde_json::json!({
+            "backend": "redis",
+            "namespace": i.prefix,
+            "available": !i.down.load(Ordering::Acquire),
+            "last_error": *lock(&i.last_error),
+            "maxmemory_policy": policy.as_deref().unwrap_or("not read yet"),
+            "eviction_unsafe": unsafe_,
+            "epoch": epoch,
+            "rebuilding": i.rebuilding.load(Ordering::Acquire),
+            "last_rebuild": last_rebuild,
+            "journal": {"pending_settlements": lock(&i.debts).len(), "committed_counters": counters},
+            "warnings": warnings,
+        })
+    }
+
+    /// Starts the monitor: checks the epoch marker each second (rebuilding this replica's
+    /// share when Redis lost the counters), and reads `maxmemory-policy` at start and every
+    /// minute. Needs a Tokio runtime; the task ends with it.
+    pub fn start_monitor(&self) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let every_policy = std::env::var("TOLLGATE_STATE_CHECK_INTERVAL_MS")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .map(|ms| Duration::from_millis(ms.clamp(100, 86_400_000)))
+            .unwrap_or(POLICY_EVERY);
+        metrics::gauge!(TOLLGATE_STATE_EVICTION_UNSAFE).set(0.0);
+        metrics::gauge!(TOLLGATE_STATE_REBUILDING).set(0.0);
+        metrics::gauge!(TOLLGATE_STATE_JOURNAL_PENDING).set(0.0);
+        let inner = self.inner.clone();
+        rt.spawn(async move {
+            let mut next_policy = tokio::time::Instant::now();
+            loop {
+                if tokio::time::Instant::now() >= next_policy {
+                    inner.check_policy().await;
+                    next_policy = tokio::time::Instant::now() + every_policy;
+                }
+                let _ = inner.sync_epoch().await;
+                metrics::gauge!(TOLLGATE_STATE_REBUILDING).set(
+                    if inner.rebuilding.load(Ordering::Acquire) {
+                        1.0
+                    } else {
+                        0.0
+                    },
+                );
+                metrics::gauge!(TOLLGATE_STATE_JOURNAL_PENDING)
+                    .set(lock(&inner.debts).len() as f64);
+                let now = wall_ms();
+                lock(&inner.book).committed.retain(|_, (_, e)| *e > now);
+                tokio::time::sleep(EPOCH_EVERY).await;
+            }
+        });
+    }
+
     /// Reserves and returns the concrete hold (tests and benches settle it with `await`).
+    /// A store that is rebuilding its counters answers "unavailable" here.
     pub async fn reserve_hold(
         &self,
         parts: &[SharedPart<'_>],
         amount: Amount,
     ) -> Result<(Result<RedisHold, (usize, DimRefusal)>, Vec<Amount>), StoreUnavailable> {
-        self.inner.clone().reserve(parts, amount).await
+        match self.inner.clone().reserve(parts, amount).await? {
+            Reserved::Held(h, c) => Ok((Ok(h), c)),
+            Reserved::Refused(p, r, c) => Ok((Err((p, r)), c)),
+            Reserved::Rebuilding => Err(StoreUnavailable),
+        }
     }
 }
 
@@ -236,13 +559,14 @@ impl Inner {
         if now < self.down_until.load(Ordering::Acquire) {
             return Err(StoreUnavailable);
         }
+        self.connect().await
+    }
+
+    /// Connects now (even inside the fail-fast second: a lost reply's one retry).
+    async fn connect(&self) -> Result<MultiplexedConnection, StoreUnavailable> {
         let _g = self.connecting.lock().await;
         if let Some(c) = self.conn.load_full() {
             return Ok((*c).clone());
-        }
-        // The connect this call waited behind may have just failed: do not queue another.
-        if wall_ms() < self.down_until.load(Ordering::Acquire) {
-            return Err(StoreUnavailable);
         }
         let cfg = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(REDIS_TIMEOUT))
@@ -263,20 +587,33 @@ impl Inner {
         }
     }
 
-    /// Marks Redis down: drop the connection, fail fast for a second, say so once.
+    /// Marks Redis down: drop the connection, fail fast for a second, say so (once per
+    /// outage, and again when the error changes), naming the error as Redis named it.
     fn failed(&self, e: &redis::RedisError) {
         self.conn.store(None);
         self.down_until
             .store(wall_ms() + RETRY_AFTER_FAILURE_MS, Ordering::Release);
-        if !self.down.swap(true, Ordering::AcqRel) {
+        let why = describe(e);
+        let changed = {
+            let mut last = lock(&self.last_error);
+            let changed = last.as_deref() != Some(why.as_str());
+            *last = Some(why.clone());
+            changed
+        };
+        let what = if e.code().is_some() {
+            "Redis refuses tollgate's calls"
+        } else {
+            "Redis does not answer"
+        };
+        if !self.down.swap(true, Ordering::AcqRel) || changed {
             match self.on_unavailable {
                 OnUnavailable::Deny => tracing::error!(
-                    error = %e,
-                    "state: Redis does not answer; state.on_unavailable=deny: refusing governed requests (503) until it does"
+                    error = %why,
+                    "state: {what} ({why}); state.on_unavailable=deny: refusing governed requests (503) until it does"
                 ),
                 OnUnavailable::Local => tracing::warn!(
-                    error = %e,
-                    "state: Redis does not answer; state.on_unavailable=local: THIS REPLICA NOW COUNTS ALONE in its in-memory ledger (shared budgets are not enforced across replicas) until Redis answers again"
+                    error = %why,
+                    "state: {what} ({why}); state.on_unavailable=local: THIS REPLICA NOW COUNTS ALONE in its in-memory ledger (shared budgets are not enforced across replicas) until Redis answers again"
                 ),
             }
         }
@@ -299,13 +636,18 @@ impl Inner {
         }
     }
 
-    /// A fresh reservation id and the keys and expiries of `parts`, holding `amount`.
-    fn slot(&self, parts: &[SharedPart<'_>], amount: Amount, now: Millis) -> Slot {
-        let rid = format!(
+    fn rid(&self) -> String {
+        format!(
             "{}-{:x}",
             self.rid_prefix,
             self.seq.fetch_add(1, Ordering::Relaxed)
-        );
+        )
+    }
+
+    /// A fresh reservation id and the keys and expiries of `parts`, holding `amount`, in
+    /// the adopted epoch.
+    fn slot(&self, parts: &[SharedPart<'_>], amount: Amount, now: Millis) -> Slot {
+        let rid = self.rid();
         let mut keys = Vec::with_capacity(parts.len() * 3);
         for p in parts {
             let k = self.counter_key(p.key);
@@ -317,6 +659,7 @@ impl Inner {
             expires: parts.iter().map(|p| self.expiry(p, now)).collect(),
             member: format!("{rid}:{}:{}:{}", amount.tokens, amount.requests, amount.usd),
             rid_len: rid.len(),
+            epoch: lock(&self.book).epoch.clone(),
         }
     }
 
@@ -325,13 +668,14 @@ impl Inner {
         &self,
         slot: &Slot,
         actual: Option<Amount>,
-    ) -> Result<i64, StoreUnavailable> {
+    ) -> Result<Settled, StoreUnavailable> {
         let mut conn = self.conn().await?;
         let a = actual.unwrap_or_default();
         let mut inv = self.settle.prepare_invoke();
         for k in &slot.keys {
             inv.key(k);
         }
+        inv.key(&self.epoch_key);
         inv.arg(&slot.member)
             .arg(&slot.member[..slot.rid_len])
             .arg(if actual.is_some() { 1 } else { 0 })
@@ -343,10 +687,15 @@ impl Inner {
         for e in &slot.expires {
             inv.arg(*e);
         }
+        inv.arg(slot.epoch.as_deref().unwrap_or(""));
         match inv.invoke_async::<i64>(&mut conn).await {
             Ok(n) => {
                 self.answered();
-                Ok(n)
+                Ok(if n < 0 {
+                    Settled::Lost
+                } else {
+                    Settled::Done(n)
+                })
             }
             Err(e) => {
                 self.failed(&e);
@@ -355,15 +704,64 @@ impl Inner {
         }
     }
 
-    /// Queues usage committed alone during an outage, to be written back (at most
-    /// `MAX_DEBTS` requests' worth; past that the oldest stays local only, said loudly).
+    /// Ends a reservation: records committed usage in the journal, then writes the
+    /// settlement to Redis (in the background; queued when Redis does not take it).
+    /// A hold made in an epoch this replica has left is not written as such: its release
+    /// is moot (Redis lost it), and its usage, recorded after the rebuild was taken, is
+    /// written as a fresh commit in the adopted epoch.
+    fn finish(self: &Arc<Self>, slot: Slot, actual: Option<Amount>, owed: bool) {
+        let slot = {
+            let mut book = lock(&self.book);
+            if let Some(a) = actual {
+                book.record(&slot, a, wall_ms());
+            }
+            if slot.epoch == book.epoch {
+                Some(slot)
+            } else if actual.is_some_and(|a| a != Amount::ZERO) {
+                let rid = self.rid();
+                Some(Slot {
+                    member: format!("{rid}:0:0:0"),
+                    rid_len: rid.len(),
+                    epoch: book.epoch.clone(),
+                    keys: slot.keys,
+                    expires: slot.expires,
+                })
+            } else {
+                None
+            }
+        };
+        let Some(slot) = slot else {
+            return;
+        };
+        if owed {
+            self.owe(Debt { slot, actual });
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return; // no runtime (process ending): the lease releases the hold
+        };
+        let inner = self.clone();
+        rt.spawn(async move {
+            match inner.settle_slot(&slot, actual).await {
+                Ok(Settled::Done(_)) => {}
+                // The rebuild into the new epoch carries this usage (recorded above).
+                Ok(Settled::Lost) => {
+                    let _ = inner.sync_epoch().await;
+                }
+                Err(StoreUnavailable) => inner.owe(Debt { slot, actual }),
+            }
+        });
+    }
+
+    /// Queues a settlement Redis did not take, to be replayed (at most `MAX_DEBTS`; past
+    /// that the oldest is dropped, said loudly).
     fn owe(self: &Arc<Self>, debt: Debt) {
         {
-            let mut debts = self.debts.lock().unwrap_or_else(|p| p.into_inner());
+            let mut debts = lock(&self.debts);
             if debts.len() >= MAX_DEBTS {
                 debts.pop_front();
                 tracing::error!(
-                    "state: more than {MAX_DEBTS} requests counted alone during the Redis outage; the oldest one's usage will not be written back"
+                    "state: more than {MAX_DEBTS} settlements wait for Redis; the oldest one is dropped (its usage stays counted only in this replica)"
                 );
             }
             debts.push_back(debt);
@@ -378,48 +776,226 @@ impl Inner {
         rt.spawn(self.clone().pay_debts());
     }
 
-    /// Writes the owed usage back, oldest first, waiting out the outage; each write is the
-    /// idempotent settle of a hold that held nothing, so a retried write never counts twice.
+    /// Replays the journal, oldest first, waiting out the outage; each write is idempotent
+    /// by reservation id, so a retried write never counts twice. An entry of an epoch this
+    /// replica has left is dropped: the rebuild into the adopted epoch carried its usage.
     async fn pay_debts(self: Arc<Self>) {
-        let mut paid = 0u64;
+        let (mut paid, mut folded) = (0u64, 0u64);
         loop {
-            let next = self
-                .debts
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .pop_front();
+            let next = lock(&self.debts).pop_front();
             let Some(debt) = next else {
                 self.paying.store(false, Ordering::Release);
                 // A debt queued between the pop and the store above would have no payer.
-                let empty = self
-                    .debts
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .is_empty();
+                let empty = lock(&self.debts).is_empty();
                 if empty || self.paying.swap(true, Ordering::AcqRel) {
-                    if paid > 0 {
+                    if paid > 0 || folded > 0 {
                         tracing::info!(
-                            requests = paid,
-                            "state: usage counted alone during the Redis outage was written back"
+                            written = paid,
+                            in_rebuild = folded,
+                            "state: settlements journaled while Redis was away were written back"
                         );
                     }
                     return;
                 }
                 continue;
             };
-            if self
-                .settle_slot(&debt.slot, Some(debt.actual))
-                .await
-                .is_ok()
-            {
-                paid += 1;
-            } else {
-                self.debts
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push_front(debt);
-                tokio::time::sleep(Duration::from_millis(RETRY_AFTER_FAILURE_MS as u64)).await;
+            if debt.slot.epoch != lock(&self.book).epoch {
+                folded += 1;
+                continue;
             }
+            match self.settle_slot(&debt.slot, debt.actual).await {
+                Ok(Settled::Done(_)) => paid += 1,
+                Ok(Settled::Lost) => {
+                    // Adopting the new epoch folds this entry into the rebuild.
+                    if self.sync_epoch().await.is_err() {
+                        lock(&self.debts).push_front(debt);
+                        tokio::time::sleep(Duration::from_millis(RETRY_AFTER_FAILURE_MS as u64))
+                            .await;
+                    }
+                }
+                Err(StoreUnavailable) => {
+                    lock(&self.debts).push_front(debt);
+                    tokio::time::sleep(Duration::from_millis(RETRY_AFTER_FAILURE_MS as u64)).await;
+                }
+            }
+        }
+    }
+
+    /// Compares the epoch marker with the adopted one. Absent: writes a new one (with the
+    /// rebuilding flag when this replica has history: it was working in an epoch, or it has
+    /// usage to give back). Different: adopts it, raises the flag, and writes this
+    /// replica's record of committed usage into it. Then applies any pending rebuild.
+    async fn sync_epoch(self: &Arc<Self>) -> Result<(), StoreUnavailable> {
+        let _g = self.syncing.lock().await;
+        let mut conn = self.conn().await?;
+        let history = {
+            let b = lock(&self.book);
+            b.epoch.is_some() || !b.committed.is_empty()
+        };
+        let fresh = format!("{:016x}", rand::random::<u64>());
+        let mut inv = self.epoch_lua.prepare_invoke();
+        inv.key(&self.epoch_key)
+            .key(&self.rebuild_key)
+            .arg(&fresh)
+            .arg(if history { REBUILD_GRACE_MS } else { 0 });
+        let (epoch, created): (String, i64) = match inv.invoke_async(&mut conn).await {
+            Ok(r) => r,
+            Err(e) => {
+                self.failed(&e);
+                return Err(StoreUnavailable);
+            }
+        };
+        self.answered();
+        let epoch: Arc<str> = Arc::from(epoch);
+        let adopt = {
+            let mut b = lock(&self.book);
+            if b.epoch.as_deref() == Some(&*epoch) {
+                None
+            } else {
+                let now = wall_ms();
+                b.committed.retain(|_, (_, e)| *e > now);
+                let counters: Vec<_> = b
+                    .committed
+                    .iter()
+                    .map(|(k, (a, e))| (k.clone(), *a, *e))
+                    .collect();
+                let was = b.epoch.replace(epoch.clone());
+                b.pending = Some(Rebuild {
+                    epoch: epoch.clone(),
+                    counters,
+                });
+                self.rebuilding.store(true, Ordering::Release);
+                Some(was)
+            }
+        };
+        if let Some(was) = adopt {
+            let n = lock(&self.book)
+                .pending
+                .as_ref()
+                .map_or(0, |p| p.counters.len());
+            if was.is_some() || n > 0 {
+                if created == 0 {
+                    // Another replica wrote the marker; hold the fleet until this share is in.
+                    let _: Result<(), _> = redis::cmd("SET")
+                        .arg(&self.rebuild_key)
+                        .arg(&*epoch)
+                        .arg("PX")
+                        .arg(REBUILD_GRACE_MS)
+                        .query_async(&mut conn)
+                        .await;
+                }
+                tracing::error!(
+                    counters = n,
+                    "state: REDIS LOST THE SHARED COUNTERS (epoch marker {}: restart without persistence, FLUSHALL or eviction); rebuilding the windows in force from this replica's journal, hard-bounded requests get 503 STATE_REBUILDING until done. Usage of replicas that died since is MISSING from the rebuilt counters",
+                    if created == 1 { "missing" } else { "changed" }
+                );
+            }
+        }
+        self.apply_pending(&mut conn).await
+    }
+
+    /// Writes the pending rebuild (this replica's committed usage per counter) into its
+    /// epoch: one `settle.lua` commit per counter, idempotent by a reservation id made of
+    /// this replica and the epoch.
+    async fn apply_pending(
+        self: &Arc<Self>,
+        conn: &mut MultiplexedConnection,
+    ) -> Result<(), StoreUnavailable> {
+        let Some(rb) = lock(&self.book).pending.clone() else {
+            return Ok(());
+        };
+        let rid = format!("rb-{}-{}", self.rid_prefix, rb.epoch);
+        let mut total = Amount::ZERO;
+        for (key, amount, exp) in &rb.counters {
+            let mut inv = self.settle.prepare_invoke();
+            inv.key(key)
+                .key(format!("{key}:l"))
+                .key(format!("{key}:s"))
+                .key(&self.epoch_key);
+            inv.arg(format!("{rid}:0:0:0"))
+                .arg(&rid)
+                .arg(1)
+                .arg(amount.tokens)
+                .arg(amount.requests)
+                .arg(amount.usd)
+                .arg(SETTLED_KEEP_MS)
+                .arg(1)
+                .arg(*exp)
+                .arg(&*rb.epoch);
+            match inv.invoke_async::<i64>(conn).await {
+                Ok(n) if n < 0 => {
+                    // Lost again meanwhile: the next check starts over in the new epoch.
+                    return Err(StoreUnavailable);
+                }
+                Ok(_) => total = sat_add(total, *amount),
+                Err(e) => {
+                    self.failed(&e);
+                    return Err(StoreUnavailable);
+                }
+            }
+        }
+        {
+            let mut b = lock(&self.book);
+            if b.pending.as_ref().is_some_and(|p| p.epoch == rb.epoch) {
+                b.pending = None;
+                self.rebuilding.store(false, Ordering::Release);
+            }
+        }
+        if !rb.counters.is_empty() {
+            tracing::warn!(
+                counters = rb.counters.len(),
+                tokens = total.tokens,
+                requests = total.requests,
+                usd_micros = total.usd,
+                "state: this replica's share of the shared counters is rebuilt in Redis (usage of replicas that died since may be missing)"
+            );
+            *lock(&self.last_rebuild) = Some(serde_json::json!({
+                "at_ms": wall_ms(),
+                "epoch": &*rb.epoch,
+                "counters": rb.counters.len(),
+                "tokens": total.tokens,
+                "requests": total.requests,
+                "usd_micros": total.usd,
+                "warning": "usage of replicas that died since may be missing",
+            }));
+        }
+        Ok(())
+    }
+
+    /// Reads `maxmemory-policy`; warns when it may evict tollgate's keys; says "unknown" once
+    /// when CONFIG is refused.
+    async fn check_policy(&self) {
+        let Ok(mut conn) = self.conn().await else {
+            return;
+        };
+        let got: Result<Vec<String>, _> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory-policy")
+            .query_async(&mut conn)
+            .await;
+        let policy = match got {
+            Ok(v) => v.get(1).map(|p| p.chars().take(64).collect::<String>()),
+            Err(e) if reply_lost(&e) => return,
+            Err(_) => None,
+        };
+        let policy = policy.unwrap_or_else(|| "unknown".to_string());
+        let before = lock(&self.eviction).replace(policy.clone());
+        let unsafe_ = policy != "noeviction" && policy != "unknown";
+        metrics::gauge!(TOLLGATE_STATE_EVICTION_UNSAFE).set(if unsafe_ { 1.0 } else { 0.0 });
+        if before.as_deref() == Some(policy.as_str()) {
+            return;
+        }
+        if unsafe_ {
+            tracing::warn!(
+                maxmemory_policy = %policy,
+                "state: Redis maxmemory-policy is {policy}, not noeviction: under memory pressure Redis may evict tollgate's counters (they carry TTLs, so volatile-* policies evict exactly them) and a budget would start over; set maxmemory-policy noeviction"
+            );
+        } else if policy == "unknown" {
+            tracing::warn!(
+                "state: cannot read Redis maxmemory-policy (CONFIG is disabled or not allowed): unknown; make sure it is noeviction"
+            );
+        } else if before.is_some() {
+            tracing::info!("state: Redis maxmemory-policy is noeviction again");
         }
     }
 
@@ -433,18 +1009,24 @@ impl Inner {
         }
     }
 
-    #[allow(clippy::type_complexity)]
     async fn reserve(
         self: Arc<Self>,
         parts: &[SharedPart<'_>],
         amount: Amount,
-    ) -> Result<(Result<RedisHold, (usize, DimRefusal)>, Vec<Amount>), StoreUnavailable> {
+    ) -> Result<Reserved, StoreUnavailable> {
         let mut conn = self.conn().await?;
+        if lock(&self.book).epoch.is_none() || self.rebuilding.load(Ordering::Acquire) {
+            self.sync_epoch().await?;
+            if self.rebuilding.load(Ordering::Acquire) {
+                return Ok(Reserved::Rebuilding);
+            }
+        }
         let slot = self.slot(parts, amount, wall_ms());
         let mut inv = self.reserve.prepare_invoke();
         for k in &slot.keys {
             inv.key(k);
         }
+        inv.key(&self.epoch_key).key(&self.rebuild_key);
         inv.arg(&slot.member)
             .arg(amount.tokens)
             .arg(amount.requests)
@@ -457,14 +1039,37 @@ impl Inner {
             }
             inv.arg(*e);
         }
+        inv.arg(slot.epoch.as_deref().unwrap_or(""));
         let reply: Vec<i64> = match inv.invoke_async(&mut conn).await {
             Ok(r) => r,
             Err(e) => {
+                let lost = reply_lost(&e);
                 self.failed(&e);
-                // A timed-out reply does not mean the script did not run: release what it may
-                // hold (in the background, idempotent) instead of leaving it to the lease.
-                drop(self.hold(slot));
-                return Err(StoreUnavailable);
+                if !lost {
+                    // Redis refused the call (MOVED, OOM, NOAUTH...): the script held nothing.
+                    return Err(StoreUnavailable);
+                }
+                // The reply may be lost with the hold made: retry once, same reservation id
+                // (the script holds an id once), on a fresh connection.
+                let retried = match self.connect().await {
+                    Ok(mut c) => match inv.invoke_async::<Vec<i64>>(&mut c).await {
+                        Ok(r) => Some(r),
+                        Err(e) => {
+                            self.failed(&e);
+                            None
+                        }
+                    },
+                    Err(_) => None,
+                };
+                match retried {
+                    Some(r) => r,
+                    None => {
+                        // Release what it may hold once Redis answers (journaled, idempotent;
+                        // a reserve that lands after its release holds nothing).
+                        self.owe(Debt { slot, actual: None });
+                        return Err(StoreUnavailable);
+                    }
+                }
             }
         };
         self.answered();
@@ -472,7 +1077,7 @@ impl Inner {
         let committed_from = |off: usize| -> Vec<Amount> {
             (0..n)
                 .map(|i| {
-                    let g = |d: usize| reply.get(off + 3 * i + d).map_or(0, |v| (*v).max(0) as u64);
+                    let g = |d: usize| reply.get(off + 3 * i + d).map_or(0, |v| count(*v));
                     Amount {
                         tokens: g(0),
                         requests: g(1),
@@ -482,9 +1087,9 @@ impl Inner {
                 .collect()
         };
         match reply.first() {
-            Some(1) => Ok((Ok(self.hold(slot)), committed_from(1))),
+            Some(1) => Ok(Reserved::Held(self.hold(slot), committed_from(1))),
             Some(0) if reply.len() >= 5 => {
-                let part = (reply[1].max(0) as usize).min(n.saturating_sub(1));
+                let part = (count(reply[1]) as usize).min(n.saturating_sub(1));
                 let dim = match reply[2] {
                     0 => Dim::Tokens,
                     1 => Dim::Requests,
@@ -492,14 +1097,21 @@ impl Inner {
                 };
                 let refusal = DimRefusal {
                     dim,
-                    used: reply[3].max(0) as u64,
-                    hard: reply[4].max(0) as u64,
+                    used: count(reply[3]),
+                    hard: count(reply[4]),
                 };
-                Ok((Err((part, refusal)), committed_from(5)))
+                Ok(Reserved::Refused(part, refusal, committed_from(5)))
             }
+            Some(2) => {
+                // The marker is not ours: Redis lost the counters (or another replica rebuilt
+                // them since). Adopt the epoch and give back this replica's share first.
+                let _ = self.sync_epoch().await;
+                Ok(Reserved::Rebuilding)
+            }
+            Some(3) => Ok(Reserved::Rebuilding),
             _ => {
                 tracing::error!(?reply, "state: unexpected reply from the reserve script");
-                drop(self.hold(slot));
+                self.owe(Debt { slot, actual: None });
                 Err(StoreUnavailable)
             }
         }
@@ -514,17 +1126,17 @@ impl SharedCounters for RedisStore {
         _now: Millis,
     ) -> ReserveFuture<'a> {
         Box::pin(async move {
-            let (res, committed) = self.inner.clone().reserve(parts, amount).await?;
-            Ok(match res {
-                Ok(hold) => SharedReply::Held {
+            Ok(match self.inner.clone().reserve(parts, amount).await? {
+                Reserved::Held(hold, committed) => SharedReply::Held {
                     hold: Box::new(hold),
                     committed,
                 },
-                Err((part, refusal)) => SharedReply::Refused {
+                Reserved::Refused(part, refusal, committed) => SharedReply::Refused {
                     part,
                     refusal,
                     committed,
                 },
+                Reserved::Rebuilding => SharedReply::Rebuilding,
             })
         })
     }
@@ -541,50 +1153,26 @@ impl SharedCounters for RedisStore {
 
 impl RedisHold {
     /// Settles now, in one round trip: commits `actual` (or releases when `None`). Returns
-    /// how many counters this call settled (0 = settled before: the call is idempotent).
+    /// how many counters this call settled (0 = settled before: the call is idempotent; also
+    /// 0 when Redis lost the hold's epoch). Committed usage is recorded in the journal.
     pub async fn settle_now(&mut self, actual: Option<Amount>) -> Result<i64, StoreUnavailable> {
         let n = self.inner.settle_slot(&self.slot, actual).await?;
+        if let Some(a) = actual.filter(|_| !self.settled) {
+            lock(&self.inner.book).record(&self.slot, a, wall_ms());
+        }
         self.settled = true;
-        Ok(n)
-    }
-
-    /// Settles in the background, retrying a few times (idempotent); gives up to the lease.
-    fn settle_in_background(mut self, actual: Option<Amount>) {
-        self.settled = true; // the task owns the settlement now; Drop must not spawn again
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return; // no runtime (process ending): the lease releases the hold
-        };
-        rt.spawn(async move {
-            for i in 0..SETTLE_TRIES {
-                if self.settle_now(actual).await.is_ok() {
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(500 * u64::from(i + 1))).await;
-            }
-            tracing::warn!(
-                committed = actual.is_some(),
-                "state: could not settle a reservation in Redis; its hold ends with the lease{}",
-                if actual.is_some() {
-                    " and its usage is counted only in this replica"
-                } else {
-                    ""
-                }
-            );
-        });
+        Ok(match n {
+            Settled::Done(n) => n,
+            Settled::Lost => 0,
+        })
     }
 }
 
 impl SharedHold for RedisHold {
     fn settle(mut self: Box<Self>, actual: Amount) {
-        if self.owed {
-            let debt = Debt {
-                slot: std::mem::take(&mut self.slot),
-                actual,
-            };
-            self.inner.owe(debt);
-            return;
-        }
-        (*self).settle_in_background(Some(actual));
+        self.settled = true; // settled here; Drop must not release
+        let slot = std::mem::take(&mut self.slot);
+        self.inner.finish(slot, Some(actual), self.owed);
     }
 }
 
@@ -595,12 +1183,7 @@ impl Drop for RedisHold {
             return;
         }
         self.settled = true;
-        let hold = RedisHold {
-            inner: self.inner.clone(),
-            slot: std::mem::take(&mut self.slot),
-            owed: false,
-            settled: false,
-        };
-        hold.settle_in_background(None);
+        let slot = std::mem::take(&mut self.slot);
+        self.inner.finish(slot, None, false);
     }
 }

@@ -5,10 +5,17 @@
 --   tokens/requests/usd-micros, ht hr hu = held by live reservations), KEYS[3i+2] its holds
 --   ZSET (member "rid:t:r:u", score = lease end in ms of Redis' clock), KEYS[3i+3] its
 --   settled-ids ZSET (written and given its expiry by settle.lua).
+--   Then KEYS[3n+1] the namespace's epoch marker (no TTL) and KEYS[3n+2] its rebuilding flag.
 -- ARGV[1] member "rid:t:r:u"; ARGV[2..4] amount t r u; ARGV[5] lease ms; ARGV[6] n counters;
---   then per counter 4 values: hard t, hard r, hard u (-1 = no limit), key expiry (unix ms).
+--   then per counter 4 values: hard t, hard r, hard u (-1 = no limit), key expiry (unix ms);
+--   then the epoch the caller knows.
 -- Returns {1, committed t r u per counter...} or {0, part, dim, used, hard, committed...}
---   (part 0-based, dim 0 tokens / 1 requests / 2 usd; used = committed + held).
+--   (part 0-based, dim 0 tokens / 1 requests / 2 usd; used = committed + held);
+--   {2}: the epoch marker is not the caller's (Redis lost its counters, or another replica
+--   rebuilt them since): nothing held; {3}: the counters are being rebuilt and a hard limit
+--   is involved: nothing held; {4}: this reservation id was settled already (a reserve that
+--   arrived after its own release): nothing held.
+-- Idempotent by reservation id: a retried reserve whose hold exists holds nothing more.
 -- Amounts saturate at 2^53 - 1, as in settle.lua.
 local MAX = 9007199254740991
 local function sat(x) if x > MAX then return MAX end return x end
@@ -18,6 +25,15 @@ local amt = {sat(tonumber(ARGV[2])), sat(tonumber(ARGV[3])), sat(tonumber(ARGV[4
 local lease = tonumber(ARGV[5])
 local n = tonumber(ARGV[6])
 local held_f = {'ht', 'hr', 'hu'}
+if redis.call('GET', KEYS[3 * n + 1]) ~= ARGV[6 + 4 * n + 1] then return {2} end
+if redis.call('EXISTS', KEYS[3 * n + 2]) == 1 then
+  for i = 0, n - 1 do
+    for d = 1, 3 do
+      if tonumber(ARGV[6 + 4 * i + d]) >= 0 then return {3} end
+    end
+  end
+end
+local rid = string.match(ARGV[1], '^(.*):%d+:%d+:%d+$')
 
 -- Drop holds whose lease ended (a replica died or lost its connection mid-call).
 local function purge(k, l)
@@ -51,6 +67,15 @@ for i = 0, n - 1 do
   committed[#committed + 1] = c[2]
   committed[#committed + 1] = c[3]
 end
+
+-- A retry of a reserve whose reply was lost: the hold is there (on every counter, as the
+-- script runs alone): answer as the first time, hold nothing twice.
+if redis.call('ZSCORE', KEYS[2], ARGV[1]) then
+  local r = {1}
+  for _, x in ipairs(committed) do r[#r + 1] = x end
+  return r
+end
+if rid and redis.call('ZSCORE', KEYS[3], rid) then return {4} end
 
 for i = 0, n - 1 do
   local c = cur[i + 1]

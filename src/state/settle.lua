@@ -5,8 +5,13 @@
 -- KEYS: as in reserve.lua, 3 per counter (hash, holds ZSET, settled-ids ZSET).
 -- ARGV[1] member "rid:t:r:u" (the hold); ARGV[2] rid; ARGV[3] 1 commit / 0 release;
 --   ARGV[4..6] actual t r u; ARGV[7] how long settled ids are remembered (ms);
---   ARGV[8] n counters; then per counter its key expiry (unix ms).
--- Returns the number of counters settled by this call (0 = all were settled before).
+--   ARGV[8] n counters; then per counter its key expiry (unix ms); then the epoch the hold
+--   was made in. KEYS[3n+1] is the namespace's epoch marker.
+-- Returns the number of counters settled by this call (0 = all were settled before), or -1
+--   when the epoch marker is not the hold's: Redis lost the counters the hold was made on
+--   (nothing written; the replica's journal rebuild carries this usage instead).
+-- A hold whose lease ran out (purged by a reserve) still commits its actual: usage that
+-- reached an upstream is never lost to a late settle.
 -- Amounts saturate at 2^53 - 1 (Lua numbers are doubles; exact integers stop there): a
 -- provider's absurd usage report must never wrap or turn a counter into a float.
 local MAX = 9007199254740991
@@ -17,6 +22,7 @@ local rid = ARGV[2]
 local commit = ARGV[3] == '1'
 local keep = tonumber(ARGV[7])
 local n = tonumber(ARGV[8])
+if redis.call('GET', KEYS[3 * n + 1]) ~= ARGV[8 + n + 1] then return -1 end
 local a, b, c = string.match(ARGV[1], ':(%d+):(%d+):(%d+)$')
 local held = {tonumber(a), tonumber(b), tonumber(c)}
 local actual = {sat(tonumber(ARGV[4])), sat(tonumber(ARGV[5])), sat(tonumber(ARGV[6]))}

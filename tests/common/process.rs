@@ -26,6 +26,17 @@ impl Serve {
     /// Starts `tollgate serve --policy <policy>` (whose `server.listen` must be
     /// 127.0.0.1:`port`) and waits until `/healthz` answers. Output goes to `log`.
     pub async fn start(policy: &Path, port: u16, admin_port: u16, log: &Path) -> Serve {
+        Serve::start_env(policy, port, admin_port, log, &[]).await
+    }
+
+    /// As [`Serve::start`], with extra environment variables.
+    pub async fn start_env(
+        policy: &Path,
+        port: u16,
+        admin_port: u16,
+        log: &Path,
+        env: &[(&str, &str)],
+    ) -> Serve {
         let out = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -36,6 +47,7 @@ impl Serve {
             .arg("--policy")
             .arg(policy)
             .env("TOLLGATE_LOG", "info")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::from(out.try_clone().unwrap()))
             .stderr(Stdio::from(out))
@@ -78,6 +90,11 @@ impl Serve {
 
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The child's process id (while it runs).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
     }
 
     /// SIGKILL (`kill -9`): no shutdown path runs.
