@@ -466,3 +466,57 @@ async fn a_body_of_too_many_json_containers_is_refused_before_its_parse() {
     assert_eq!(up.conns.load(Ordering::SeqCst), 0);
     sc.stop().await;
 }
+
+// Row 8 (part): a client that stops reading is cut once its stream was settled.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_readers_socket_is_closed_after_its_stream_was_settled() {
+    std::env::set_var(KEY_ENV, SECRET);
+    let up = Raw::start(|mut s, _| async move {
+        let mut buf = BytesMut::new();
+        let Some(req) = read_request(&mut s, &mut buf).await else {
+            return;
+        };
+        if req["stream"] != true {
+            let _ = s.write_all(&answer(&completion(&marker(&req)), "")).await;
+            return;
+        }
+        let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+        if s.write_all(head.as_bytes()).await.is_err() {
+            return;
+        }
+        let event = format!(
+            "data: {}\n\n",
+            j!({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                "choices": [{"index": 0, "delta": {"content": "x".repeat(16 * 1024)}, "finish_reason": null}]})
+        );
+        let chunk = format!("{:x}\r\n{event}\r\n", event.len());
+        // Far more than the sockets between hold; until the sidecar stops reading.
+        for _ in 0..4000 {
+            if s.write_all(chunk.as_bytes()).await.is_err() {
+                return;
+            }
+        }
+    })
+    .await;
+    let yaml = format!(
+        "version: wire\nserver: {{header_read_timeout: 500ms, max_connections: 1}}\nbackends:\n  - {{id: a, kind: openai, base_url: \"{}\", api_key_env: {KEY_ENV}, timeouts: {{total: 1s}}}}\nroutes:\n  - {{model: chat, chain: [{{backend: a, model: m}}]}}\n",
+        up.url()
+    );
+    let sc = Sidecar::start(&yaml).await;
+    let mut s = TcpStream::connect(sc.running.addr).await.unwrap();
+    let body = chat("hi", true).to_string();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    // Not read: the stream is ended at `timeouts.total` (1 s) and settled; its connection must
+    // not wait for this client after that. With one connection allowed, the next client is
+    // served only once that one is closed.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (st, _, b) = post_json(&sc.chat_url(), &chat("next", false), &[]).await;
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&b));
+    drop(s);
+    sc.stop().await;
+}

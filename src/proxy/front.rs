@@ -230,7 +230,9 @@ pub async fn serve<H: Handler>(
         // The record's closing waits until the answer is out (see `After`).
         let after = resp.extensions_mut().remove::<After>();
         let close = head.close || peek_stop.has_changed().unwrap_or(true);
-        let cut = write(io, resp, close, &mut out, &mut buf).await.is_err();
+        let cut = write(io, resp, close, &mut out, &mut buf, header_timeout)
+            .await
+            .is_err();
         super::finish::run_after(after, cut).await;
         if cut || close {
             let _ = io.shutdown().await;
@@ -419,6 +421,7 @@ async fn write(
     close: bool,
     out: &mut Vec<u8>,
     ahead: &mut BytesMut,
+    stall: Duration,
 ) -> Result<(), Cut> {
     let (parts, mut body) = resp.into_parts();
     let status = parts.status.as_u16();
@@ -432,7 +435,7 @@ async fn write(
     out.clear();
     head(out, &parts, framing, close);
     if framing == Framing::None {
-        return send(io, &mut [IoSlice::new(out)]).await;
+        return send(io, &mut [IoSlice::new(out)], stall).await;
     }
     let chunked = framing == Framing::Chunked;
     let mut sent = 0u64;
@@ -441,7 +444,7 @@ async fn write(
             Poll::Ready(f) => f,
             Poll::Pending => {
                 if !out.is_empty() {
-                    send(io, &mut [IoSlice::new(out)]).await?;
+                    send(io, &mut [IoSlice::new(out)], stall).await?;
                     out.clear();
                 }
                 let next = poll_fn(|cx| Pin::new(&mut body).poll_frame(cx));
@@ -452,7 +455,7 @@ async fn write(
             None => break,
             Some(Err(_)) => {
                 // What was gathered stands; the connection cannot go on.
-                let _ = send(io, &mut [IoSlice::new(out)]).await;
+                let _ = send(io, &mut [IoSlice::new(out)], stall).await;
                 return Err(Cut);
             }
             Some(Ok(f)) => match f.into_data() {
@@ -463,7 +466,7 @@ async fn write(
         sent = sent.saturating_add(data.len() as u64);
         if let Framing::Length(n) = framing {
             if sent > n {
-                let _ = send(io, &mut [IoSlice::new(out)]).await;
+                let _ = send(io, &mut [IoSlice::new(out)], stall).await;
                 return Err(Cut);
             }
         }
@@ -487,7 +490,7 @@ async fn write(
                 IoSlice::new(&data),
                 IoSlice::new(tail),
             ];
-            send(io, &mut parts).await?;
+            send(io, &mut parts, stall).await?;
             out.clear();
             if last {
                 return length_kept(framing, sent);
@@ -498,14 +501,14 @@ async fn write(
         out.extend_from_slice(&data);
         out.extend_from_slice(tail);
         if out.len() >= GATHER {
-            send(io, &mut [IoSlice::new(out)]).await?;
+            send(io, &mut [IoSlice::new(out)], stall).await?;
             out.clear();
         }
     }
     if chunked {
         out.extend_from_slice(b"0\r\n\r\n");
     }
-    send(io, &mut [IoSlice::new(out)]).await?;
+    send(io, &mut [IoSlice::new(out)], stall).await?;
     length_kept(framing, sent)
 }
 
@@ -608,14 +611,24 @@ fn date(out: &mut Vec<u8>) {
     out.extend_from_slice(&text);
 }
 
-/// Writes all of `parts` (empty ones skipped).
-async fn send(io: &mut TcpStream, parts: &mut [IoSlice<'_>]) -> Result<(), Cut> {
+/// Writes all of `parts` (empty ones skipped). A client that takes no byte for `stall` (the
+/// header timeout: the longest a client may leave its connection without progress) is cut:
+/// a stalled reader's socket is not held open after its stream was settled. No timer while
+/// the socket takes what is written.
+async fn send(io: &mut TcpStream, parts: &mut [IoSlice<'_>], stall: Duration) -> Result<(), Cut> {
     let mut parts: &mut [IoSlice<'_>] = parts;
     IoSlice::advance_slices(&mut parts, 0);
     while !parts.is_empty() {
-        match io.write_vectored(parts).await {
-            Ok(0) | Err(_) => return Err(Cut),
+        match io.try_write_vectored(parts) {
+            Ok(0) => return Err(Cut),
             Ok(n) => IoSlice::advance_slices(&mut parts, n),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                match tokio::time::timeout(stall, io.writable()).await {
+                    Ok(Ok(())) => {}
+                    _ => return Err(Cut),
+                }
+            }
+            Err(_) => return Err(Cut),
         }
     }
     Ok(())
