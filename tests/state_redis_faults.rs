@@ -596,3 +596,96 @@ async fn readyz_is_503_and_names_moved_on_a_cluster_node_without_the_slot() {
     assert!(r.log().contains("MOVED"), "{}", r.log());
     assert!(!r.log().contains("does not answer"), "{}", r.log());
 }
+
+/// A TCP proxy to a local port that the test can cut: every open connection is dropped and
+/// new ones are closed at once until it is restored.
+struct Cuttable {
+    port: u16,
+    cut: tokio::sync::watch::Sender<bool>,
+}
+
+impl Cuttable {
+    async fn start(target: u16) -> Cuttable {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (cut, rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                if *rx.borrow() {
+                    continue;
+                }
+                let mut rx = rx.clone();
+                tokio::spawn(async move {
+                    let Ok(mut server) =
+                        tokio::net::TcpStream::connect(("127.0.0.1", target)).await
+                    else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = rx.wait_for(|c| *c) => {}
+                    }
+                });
+            }
+        });
+        Cuttable { port, cut }
+    }
+
+    fn set_cut(&self, cut: bool) {
+        let _ = self.cut.send(cut);
+    }
+}
+
+/// The connection to Redis cut for 8 s while two calls are in flight: their settles cannot
+/// reach Redis, are journaled, and are written once the connection comes back; nothing of
+/// the usage is lost and the holds are released (not left to the lease).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_across_a_cut_connection_is_written_once_it_is_back() {
+    let w = worst() as i64;
+    let up =
+        MockUpstream::start_with_default(vec![], ok_answer().delay(Duration::from_millis(800)))
+            .await;
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let url = format!("redis://127.0.0.1:{port}/");
+    let _server = redis_server(port, dir.path(), &[]).await;
+    let proxy = Cuttable::start(port).await;
+    let via = format!("redis://127.0.0.1:{}/", proxy.port);
+    let n = ns("cut");
+    let bounds = "budgets:\n  - {name: cap, scope: global, window: month, hard_tokens: 1000000}";
+    let r = std::sync::Arc::new(Replica::start(&up.base_url(), &via, &n, "", bounds, &[]).await);
+    let calls: Vec<_> = (0..2)
+        .map(|_| {
+            let r = r.clone();
+            tokio::spawn(async move { r.chat().await })
+        })
+        .collect();
+    assert_eq!(up.wait_for_hits(2, Duration::from_secs(10)).await, 2);
+    assert_eq!(sums(&url, &n, "global", ["ht"]).await, [2 * w]);
+    proxy.set_cut(true);
+    for c in calls {
+        assert_eq!(c.await.unwrap(), (200, "OK".into()));
+    }
+    // While cut: the replica cannot reserve (deny), and nothing reached Redis.
+    assert_eq!(r.chat().await.0, 503);
+    assert_eq!(sums(&url, &n, "global", ["ct"]).await, [0]);
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    proxy.set_cut(false);
+    let [ct, ht] = sums_until(&url, &n, "global", ["ct", "ht"], [2 * w, 0], 15).await;
+    assert_eq!(
+        (ct, ht),
+        (2 * w, 0),
+        "settled once, holds released\n{}",
+        r.log()
+    );
+    // Served again once Redis answers.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while r.chat().await.0 != 200 {
+        assert!(
+            Instant::now() < deadline,
+            "not served after the cut\n{}",
+            r.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
