@@ -22,6 +22,7 @@ const ORDER: &[&str] = &[
     "ledger",
     "estimate",
     "units",
+    "wire",
     "tls",
     "body",
     "jscan",

@@ -2,7 +2,7 @@
 //!
 //! Module graph (imports point down): `cli` → `sidecar` → `admin` → `proxy` → `telemetry`
 //! → `audit` → `scenario` → `dialect` → `providers` → `governor` → `state` → `stream` → `policy`
-//! → `ledger` → `estimate` → `units`, `body`, `jscan`. The governor is pure: no sockets, files or wall
+//! → `ledger` → `estimate` → `units` → `wire`, `tls`, `body`, `jscan`. The governor is pure: no sockets, files or wall
 //! clock. `layering.rs` checks the order.
 #![forbid(unsafe_code)]
 
@@ -37,6 +37,7 @@ pub mod stream;
 pub mod telemetry;
 pub mod tls;
 pub mod units;
+pub mod wire;
 
 #[cfg(test)]
 mod layering;

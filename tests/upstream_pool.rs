@@ -1,4 +1,4 @@
-//! The own keep-alive pool and HTTP/1 client of cleartext upstreams (`tollgate::proxy::pool`),
+//! The own keep-alive pool and HTTP/1 client of cleartext upstreams (`tollgate::wire::pool`),
 //! against a raw TCP upstream that counts its connections, can close them behind the pool's
 //! back, and can answer in every framing (or in none).
 
@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
-use tollgate::proxy::pool::{Pools, SendError, UpstreamBody};
+use tollgate::wire::pool::{Pools, SendError, UpstreamBody};
 
 const ANSWER: &str = "{\"ok\":true}";
 
@@ -436,7 +436,7 @@ async fn nothing_listening_is_a_connect_error() {
     drop(l);
     let pools = Pools::default();
     let r = pools.send(request(addr), Duration::from_secs(1)).await;
-    assert!(matches!(r, Err(tollgate::proxy::pool::SendError::Connect)));
+    assert!(matches!(r, Err(tollgate::wire::pool::SendError::Connect)));
 }
 
 /// On a connection worker, a read that drains the socket clears its readiness without a

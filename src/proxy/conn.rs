@@ -5,6 +5,7 @@
 //! forever and, under a file-descriptor limit, starve real clients).
 
 use crate::telemetry::names::TOLLGATE_CONNECTIONS_REFUSED_TOTAL;
+pub use crate::wire::request::Malformed;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -144,21 +145,6 @@ fn shaped_error(head: &[u8], port: &'static str) -> Option<Vec<u8>> {
         _ => return None,
     };
     Some(error_answer(kind, port))
-}
-
-/// Why a request head was refused before any handler saw it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Malformed {
-    /// Not a request head: a bad request line or field, a NUL or control byte, conflicting
-    /// `Content-Length` fields.
-    Head,
-    /// A line ended by a bare LF.
-    BareLf,
-    /// No `Host` field, or more than one.
-    Host,
-    /// More than 64 KiB of head.
-    HeadTooLarge,
-    UriTooLong,
 }
 
 /// The whole answer (head and OpenAI-shaped error body, `connection: close`) to a head refused

@@ -14,7 +14,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 /// Largest request head (and read buffer) a connection may fill.
-const MAX_HEADER_BUF: usize = 64 * 1024;
+const MAX_HEADER_BUF: usize = crate::wire::MAX_HEAD;
 
 /// Drops idle job ledgers and ended windows once a minute.
 pub async fn sweep(app: Arc<App>, mut stop: watch::Receiver<bool>) {

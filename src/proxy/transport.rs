@@ -2,7 +2,6 @@
 //! timeouts, the request rewritten for the chosen chain entry, and the answer classified into
 //! what the governor understands. The upstream URL comes only from the policy.
 
-use super::pool::{Pools, UpstreamBody};
 use super::respond::is_hop_by_hop;
 use super::snapshot::Snapshot;
 use crate::estimate::Endpoint;
@@ -13,6 +12,7 @@ use crate::providers::{
     Untranslatable, Wire,
 };
 use crate::stream::StreamUsage;
+use crate::wire::pool::{Pools, UpstreamBody};
 use bytes::Bytes;
 use dashmap::DashMap;
 use http::{HeaderMap, HeaderValue, Method, Request, StatusCode};

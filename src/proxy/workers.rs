@@ -12,25 +12,15 @@
 //! Each worker has a lane number ([`lane`]): the upstream connection pools keep one queue
 //! per lane, so a pooled connection is only reused by the worker whose runtime drives it.
 
-use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 
-thread_local! {
-    /// This thread's lane: 0 off the workers, `1 + index` on a worker.
-    static LANE: Cell<usize> = const { Cell::new(0) };
-}
-
-/// The lane of the calling thread (0 outside the connection workers).
-#[inline]
-pub fn lane() -> usize {
-    LANE.with(Cell::get)
-}
+pub use crate::wire::lane;
 
 /// Most connection workers (lanes beyond it share the last pool queue).
-pub const MAX_WORKERS: usize = 64;
+pub const MAX_WORKERS: usize = crate::wire::MAX_LANES;
 
 /// How many connection workers `TOLLGATE_WORKER_THREADS` asks for: unset, one per core; `0`,
 /// none (connections are served on the shared runtime); at most [`MAX_WORKERS`].
@@ -104,7 +94,7 @@ impl Workers {
             std::thread::Builder::new()
                 .name(format!("tollgate-worker-{i}"))
                 .spawn(move || {
-                    LANE.with(|l| l.set(i + 1));
+                    crate::wire::set_lane(i + 1);
                     // Runs the connections' tasks until told to stop (or the sender is gone),
                     // with a near timer always armed (see [`NEAR_TIMER`]).
                     rt.block_on(async {

@@ -47,7 +47,7 @@ pub const TOLLGATE_USAGE_OVER_RESERVATION_TOTAL: &str = "tollgate_usage_over_res
 /// (bytes no request asked for: the upstream's pooled connections are distrusted for a
 /// while) and `closed_idle` (a reused connection closed before any answer byte: the request
 /// went again on a fresh connection).
-pub const TOLLGATE_UPSTREAM_WIRE_FAULTS_TOTAL: &str = "tollgate_upstream_wire_faults_total";
+pub const TOLLGATE_UPSTREAM_WIRE_FAULTS_TOTAL: &str = crate::wire::pool::WIRE_FAULTS_TOTAL;
 /// counter {reason}: finished spans the OTLP export dropped (`queue_full`, `export_failed`).
 pub const TOLLGATE_OTEL_DROPPED_SPANS_TOTAL: &str = "tollgate_otel_dropped_spans_total";
 

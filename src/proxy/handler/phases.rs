@@ -551,7 +551,7 @@ fn upstream_response(
     }
     // Room for the sidecar's headers (decision, ids, limits) at once, instead of growing the
     // map as they are added (an answer from the own client was made with it).
-    headers.reserve(crate::proxy::h1::ROOM_FOR_STAMPS);
+    headers.reserve(crate::wire::h1::ROOM_FOR_STAMPS);
     // `Content-Length` is one of them: the body may have been rewritten (redacted), and
     // hyper sets the length of a full body.
     let mut resp = Response::new(body);

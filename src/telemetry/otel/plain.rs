@@ -1,30 +1,20 @@
 //! OTLP/HTTP to a cleartext collector (`http://`, the sidecar's usual `localhost:4318`): one
-//! kept-alive HTTP/1.1 connection per endpoint, owned by the sender task and driven by it (no
-//! connection task, no channel, no pool). Each export is one prepared head (written once per
-//! endpoint, only the length added per post) and the body, written together; the answer's
-//! head parsed with `httparse`. An `https://` collector and gRPC go through hyper instead
-//! ([`super::export`]).
+//! kept-alive HTTP/1.1 connection per endpoint, owned by the sender task and spoken to through
+//! the same client connection as the upstream calls ([`crate::wire::h1::Conn`]: its answer-head
+//! parser, body decoder, idle check and bounds). Each export is one prepared head (written
+//! once per endpoint, only the length added per post) and the body, written together. An
+//! `https://` collector and gRPC go through hyper instead ([`super::export`]).
 //!
-//! Everything read from the collector is bounded: the head (64 KiB, 64 fields, 8 interim
-//! answers) and the body (64 KiB; a longer one is not read, and its connection is not kept).
-//! A connection is kept only after an answer framed by `Content-Length` that did not ask to
+//! A connection is kept only after a whole answer of at most 64 KiB that did not ask to
 //! close; any other answer, an error or a timeout drops it, and the next export dials anew.
 
+use crate::wire::h1::{Conn, HeadError, IdleState};
 use bytes::Bytes;
 use http::Uri;
-use std::io;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
-/// Largest answer head read.
-const MAX_HEAD: usize = 64 * 1024;
 /// Largest answer body read (a collector answers a small protobuf status).
 const MAX_BODY: usize = 64 * 1024;
-/// Most fields in an answer head.
-const MAX_FIELDS: usize = 64;
-/// Most interim (1xx) answers before the final one.
-const MAX_INTERIM: usize = 8;
 
 /// One endpoint (`http://host:port/path`) and the connection to it, if one is kept.
 pub(super) struct Plain {
@@ -32,9 +22,7 @@ pub(super) struct Plain {
     /// The request head up to the length's value: request line, `Host`, `Content-Type`, the
     /// configured headers, then `Content-Length: `.
     head: Vec<u8>,
-    conn: Option<TcpStream>,
-    /// What was read from the collector (an answer's head and body).
-    buf: Vec<u8>,
+    conn: Option<Conn>,
     /// The request's head and body as written (reused).
     out: Vec<u8>,
     timeout: Duration,
@@ -87,7 +75,6 @@ impl Plain {
             authority,
             head,
             conn: None,
-            buf: Vec::new(),
             out: Vec::new(),
             timeout,
         })
@@ -115,184 +102,58 @@ impl Plain {
     /// Sends the export on the kept connection, else on a new one; the answer's status. A
     /// kept connection the collector closed as the export went out (no byte of an answer
     /// came: its idle timeout met the export) gets the export again on a new connection,
-    /// once; a new connection's failure is final.
+    /// once, as an upstream call's does; a new connection's failure is final.
     async fn exchange(&mut self, body: &Bytes) -> Result<u16, String> {
-        if let Some(c) = self.conn.take().filter(idle_and_open) {
-            let mut answered = false;
-            match self.send_on(c, body, &mut answered).await {
-                Err(_) if !answered => {}
-                r => return r,
+        if let Some(mut c) = self.conn.take() {
+            if c.idle_state() == IdleState::Quiet {
+                match self.send_on(c, body).await {
+                    Err(HeadError::Closed) => {}
+                    r => return r.map_err(said),
+                }
             }
         }
-        let c = TcpStream::connect(&self.authority)
+        let c = Conn::dial(&self.authority, self.timeout)
             .await
             .map_err(|e| format!("connecting to the collector: {}", e.kind()))?;
-        let _ = c.set_nodelay(true);
-        self.send_on(c, body, &mut false).await
+        self.send_on(c, body).await.map_err(said)
     }
 
     /// Writes the request on `conn` and reads the answer; keeps `conn` when the answer allows.
-    /// `answered`: set once any byte of an answer arrived.
-    async fn send_on(
-        &mut self,
-        mut conn: TcpStream,
-        body: &Bytes,
-        answered: &mut bool,
-    ) -> Result<u16, String> {
-        self.buf.clear();
+    async fn send_on(&mut self, mut conn: Conn, body: &Bytes) -> Result<u16, HeadError> {
         self.out.clear();
         self.out.extend_from_slice(&self.head);
         self.out
             .extend_from_slice(itoa::Buffer::new().format(body.len()).as_bytes());
         self.out.extend_from_slice(b"\r\n\r\n");
         // Head and body in one write when the body is small; else two (no copy of a batch).
-        if body.len() <= 16 * 1024 {
+        let written = if body.len() <= 16 * 1024 {
             self.out.extend_from_slice(body);
-            conn.write_all(&self.out).await.map_err(broken)?;
+            conn.write(&self.out).await
         } else {
-            conn.write_all(&self.out).await.map_err(broken)?;
-            conn.write_all(body).await.map_err(broken)?;
-        }
-        let (status, keep) = read_answer(&mut conn, &mut self.buf, answered).await?;
-        if keep {
+            match conn.write(&self.out).await {
+                Ok(()) => conn.write(body).await,
+                e => e,
+            }
+        };
+        // A write the collector's close cut: nothing of an answer came.
+        written.map_err(|_| HeadError::Closed)?;
+        let (answer, framing) = conn.read_head(false).await?;
+        if conn.skip_body(framing, MAX_BODY).await {
+            conn.ack_now();
             self.conn = Some(conn);
         }
-        Ok(status)
+        Ok(answer.status().as_u16())
     }
 }
 
-fn broken(e: io::Error) -> String {
-    format!("writing to the collector: {}", e.kind())
-}
-
-/// Whether a kept connection can carry the next export: nothing arrived on it since the last
-/// answer (neither the collector's close nor bytes it had no business sending).
-fn idle_and_open(c: &TcpStream) -> bool {
-    let mut probe = [0u8; 1];
-    matches!(c.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
-}
-
-/// Reads one final answer (interim 1xx answers skipped) and, when it is framed by
-/// `Content-Length` within [`MAX_BODY`], its body; its status, and whether the connection can
-/// be kept.
-async fn read_answer(
-    conn: &mut TcpStream,
-    buf: &mut Vec<u8>,
-    answered: &mut bool,
-) -> Result<(u16, bool), String> {
-    let mut interim = 0;
-    loop {
-        // Bytes already known not to end the head: a head that trickles in is parsed again
-        // only when a line end arrives, not once per read (a whole head holds one).
-        let mut seen = 0;
-        let head = loop {
-            if buf[seen..].contains(&b'\n') {
-                if let Some(head) = parse_head(buf)? {
-                    break head;
-                }
-            }
-            seen = buf.len();
-            if buf.len() >= MAX_HEAD {
-                return Err("the collector's answer head is too large".into());
-            }
-            fill(conn, buf, MAX_HEAD).await?;
-            *answered = true;
-        };
-        buf.drain(..head.len);
-        let status = head.status;
-        if (100..200).contains(&status) {
-            interim += 1;
-            if status == 101 || interim > MAX_INTERIM {
-                return Err("the collector's answer is malformed".into());
-            }
-            continue;
+/// What went wrong, said for the export's error counter and log.
+fn said(e: HeadError) -> String {
+    match e {
+        HeadError::Closed | HeadError::Broken => {
+            "the collector closed the connection before answering".into()
         }
-        // 204 and 304 have no body whatever their fields say.
-        let body = if matches!(status, 204 | 304) {
-            Some(0)
-        } else {
-            head.body
-        };
-        let keep = match body {
-            Some(n) if n <= MAX_BODY as u64 => {
-                let n = n as usize;
-                while buf.len() < n {
-                    fill(conn, buf, n).await?;
-                }
-                // Bytes past the body are not the start of anything asked for.
-                head.keep && buf.len() == n
-            }
-            // Chunked, to the close, or too long: the status is enough; not read further.
-            _ => false,
-        };
-        return Ok((status, keep));
+        HeadError::Malformed => "the collector's answer is malformed (or too large)".into(),
     }
-}
-
-/// Reads more into `buf`, up to `cap` bytes in all; `Err` at the connection's end. Reads into
-/// the buffer's spare room (not zeroed first).
-async fn fill(conn: &mut TcpStream, buf: &mut Vec<u8>, cap: usize) -> Result<(), String> {
-    let room = cap.saturating_sub(buf.len()).clamp(1, 8 * 1024);
-    buf.reserve(room);
-    match conn
-        .read_buf(&mut bytes::BufMut::limit(&mut *buf, room))
-        .await
-    {
-        Ok(0) | Err(_) => Err("the collector closed the connection before answering".into()),
-        Ok(_) => Ok(()),
-    }
-}
-
-/// What an answer's head says.
-struct Head {
-    status: u16,
-    /// The head's own length in the buffer.
-    len: usize,
-    /// The body's length, when `Content-Length` frames it (and no `Transfer-Encoding` does).
-    body: Option<u64>,
-    /// The connection can carry another export after this answer's body.
-    keep: bool,
-}
-
-/// A complete answer head at the front of `buf`; `None` when more is needed.
-fn parse_head(buf: &[u8]) -> Result<Option<Head>, String> {
-    let mut fields = [httparse::EMPTY_HEADER; MAX_FIELDS];
-    let mut r = httparse::Response::new(&mut fields);
-    let len = match r.parse(buf) {
-        Ok(httparse::Status::Complete(n)) => n,
-        Ok(httparse::Status::Partial) => return Ok(None),
-        Err(_) => return Err("the collector's answer is malformed".into()),
-    };
-    let status = r.code.ok_or("the collector's answer has no status")?;
-    let mut keep = r.version == Some(1);
-    let mut length = None;
-    let mut chunked = false;
-    for f in r.headers.iter() {
-        if f.name.eq_ignore_ascii_case("content-length") {
-            let n = crate::body::content_length(f.value.trim_ascii())
-                .ok_or("the collector's answer has a bad Content-Length")?;
-            if length.is_some_and(|m| m != n) {
-                return Err("the collector's answer has two lengths".into());
-            }
-            length = Some(n);
-        } else if f.name.eq_ignore_ascii_case("transfer-encoding") {
-            chunked = true;
-        } else if f.name.eq_ignore_ascii_case("connection") {
-            let v = f.value.to_ascii_lowercase();
-            if v.split(|b| *b == b',').any(|t| t.trim_ascii() == b"close") {
-                keep = false;
-            }
-        }
-    }
-    if chunked {
-        length = None;
-    }
-    Ok(Some(Head {
-        status,
-        len,
-        body: length,
-        keep,
-    }))
 }
 
 #[cfg(test)]
@@ -434,12 +295,12 @@ mod tests {
         ])
         .await;
         let mut p = plain(&url, 2000);
-        // Chunked: the status counts, the connection is not kept.
+        // Chunked: read to its end (a small body), the connection kept.
         p.post(&Bytes::from_static(b"a")).await.unwrap();
-        // HTTP/1.0 without keep-alive: not kept either.
+        // HTTP/1.0 without keep-alive: not kept.
         p.post(&Bytes::from_static(b"b")).await.unwrap();
         p.post(&Bytes::from_static(b"c")).await.unwrap();
-        assert_eq!(conns(&mut rx, 3), [1, 2, 3]);
+        assert_eq!(conns(&mut rx, 3), [1, 1, 2]);
     }
 
     #[tokio::test]
@@ -540,7 +401,7 @@ mod tests {
         ] {
             let (url, _rx) = collector(vec![Box::leak(bad.to_vec().into_boxed_slice())]).await;
             let e = plain(&url, 2000).post(&Bytes::new()).await.unwrap_err();
-            assert!(e.contains("Content-Length") || e.contains("lengths"), "{e}");
+            assert!(e.contains("malformed"), "{e}");
         }
     }
 

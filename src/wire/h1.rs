@@ -13,8 +13,7 @@ use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
-/// Largest answer head read.
-pub const MAX_HEAD: usize = 64 * 1024;
+use super::MAX_HEAD;
 /// Most header fields in an answer head.
 const MAX_HEADERS: usize = 100;
 /// Most interim (1xx) answers before the final one.
@@ -170,6 +169,34 @@ impl Conn {
         }
     }
 
+    /// Reads an answer's body to its end and drops it, when it is at most `most` bytes (a
+    /// collector's status answer); whether the connection can carry another request after
+    /// it. A body read to the close, longer than `most`, or broken is not read further and
+    /// the connection is not kept.
+    pub async fn skip_body(&mut self, framing: Framing, most: usize) -> bool {
+        let mut decoder = framing.decoder;
+        if decoder == Decoder::Close || decoder.left().is_some_and(|n| n > most as u64) {
+            return false;
+        }
+        let mut read = 0usize;
+        loop {
+            match decoder.decode(&mut self.buf) {
+                Err(_) => return false,
+                Ok(Step::Done) => return framing.keep_alive && self.buf.is_empty(),
+                Ok(Step::Data(b)) => {
+                    read = read.saturating_add(b.len());
+                    if read > most {
+                        return false;
+                    }
+                }
+                Ok(Step::More) => match std::future::poll_fn(|cx| self.poll_fill(cx)).await {
+                    Ok(0) | Err(_) => return false,
+                    Ok(_) => {}
+                },
+            }
+        }
+    }
+
     /// Reads more into the buffer (a head or a body): `Ready(Ok(0))` at the connection's end.
     pub fn poll_fill(
         &mut self,
@@ -182,7 +209,7 @@ impl Conn {
             let room = self.buf.capacity() - self.buf.len();
             match self.io.try_read_buf(&mut self.buf) {
                 Ok(n) => {
-                    if n > 0 && n < room && super::workers::lane() != 0 {
+                    if n > 0 && n < room && super::lane() != 0 {
                         drained(&self.io);
                     }
                     return std::task::Poll::Ready(Ok(n));

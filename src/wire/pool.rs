@@ -11,11 +11,11 @@
 //! dropped before its end closes it). TLS upstreams keep hyper-util's client (HTTP/2 by ALPN).
 //!
 //! The idle queue of an authority has one lane per connection worker
-//! ([`super::workers::lane`]): a socket is registered with the runtime that dialed it, so it
+//! ([`super::lane`]): a socket is registered with the runtime that dialed it, so it
 //! is only reused from there.
 
 use super::h1::{Conn, DecodeError, Decoder, HeadError, IdleState, Step};
-use super::workers::MAX_WORKERS;
+use super::MAX_LANES as MAX_WORKERS;
 use bytes::Bytes;
 use crossbeam_queue::ArrayQueue;
 use dashmap::DashMap;
@@ -35,6 +35,8 @@ const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 const STALE_RETRIES: usize = 4;
 /// Bodies up to this size are written in the same buffer as the head (one write).
 const INLINE_BODY: usize = 256 * 1024;
+/// The counter of wire faults (`telemetry::names` describes it).
+pub const WIRE_FAULTS_TOTAL: &str = "tollgate_upstream_wire_faults_total";
 /// How long an upstream that sent bytes no request asked for gets a fresh connection per
 /// request (each closed after its answer) instead of pooled ones.
 const DISTRUST: Duration = Duration::from_secs(60);
@@ -99,7 +101,7 @@ impl Pool {
 
     fn fault(&self, fault: &'static str) {
         metrics::counter!(
-            crate::telemetry::names::TOLLGATE_UPSTREAM_WIRE_FAULTS_TOTAL,
+            WIRE_FAULTS_TOTAL,
             "upstream" => self.authority.to_string(),
             "fault" => fault
         )
@@ -204,7 +206,7 @@ impl Pools {
         let head_request = req.method() == Method::HEAD;
         let bytes = serialize(&req, &pool.host, extra);
         let body = req.body();
-        let lane = super::workers::lane();
+        let lane = super::lane();
         let mut stale = 0;
         loop {
             let pooled = if stale < STALE_RETRIES {
