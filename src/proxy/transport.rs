@@ -33,7 +33,7 @@ const MAX_UPSTREAM_BODY: usize = 64 * 1024 * 1024;
 /// Largest error body read to find a retry delay.
 const MAX_ERROR_BODY: usize = 256 * 1024;
 
-/// The upstream connections: cleartext HTTP/1 upstreams on the own pools (`pool.rs`), TLS ones
+/// The upstream connections: cleartext HTTP/1 upstreams on the own pools (`crate::wire::pool`), TLS ones
 /// on hyper-util's pooled clients, one per connect timeout (the connector carries it).
 /// Survives reloads.
 #[derive(Default)]
