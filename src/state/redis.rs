@@ -575,8 +575,7 @@ impl RedisStore {
     /// Makes sure an epoch is adopted and this replica's rebuild is done, as before a
     /// reservation. `Ok(false)`: rebuilding.
     pub(crate) async fn slice_epoch_ready(&self) -> Result<bool, StoreUnavailable> {
-        if lock(&self.inner.book).epoch.is_none() || self.inner.rebuilding.load(Ordering::Acquire)
-        {
+        if lock(&self.inner.book).epoch.is_none() || self.inner.rebuilding.load(Ordering::Acquire) {
             self.inner.sync_epoch().await?;
         }
         Ok(!self.inner.rebuilding.load(Ordering::Acquire))

@@ -158,7 +158,13 @@ fn member(id: &str, batch: u64, a: Amount) -> String {
 
 impl Slice {
     /// Takes `amount` from this slice if it may admit and has room in every hard dimension.
-    fn take(&self, hard: &[Option<u64>; 3], amount: Amount, now: Instant, epoch: &Option<Arc<str>>) -> bool {
+    fn take(
+        &self,
+        hard: &[Option<u64>; 3],
+        amount: Amount,
+        now: Instant,
+        epoch: &Option<Arc<str>>,
+    ) -> bool {
         if self.hard != *hard || self.epoch != *epoch {
             return false;
         }
@@ -593,7 +599,10 @@ impl S {
                     let last = st.inflight == Amount::ZERO
                         && (st.draining || st.dead || idle || !is_current);
                     let renew = now.saturating_duration_since(st.last_write) >= self.lease / 4;
-                    if st.used == Amount::ZERO && !last && (!renew || st.dead) {
+                    // A draining slice keeps only what its requests in flight may use: the
+                    // rest goes back at once (no replica starves itself or others of crumbs).
+                    let shrink = st.draining && !st.dead && st.granted != st.inflight;
+                    if st.used == Amount::ZERO && !last && !shrink && (!renew || st.dead) {
                         return;
                     }
                     if last {
@@ -603,6 +612,8 @@ impl S {
                     let consumed = min(used, sub(st.granted, st.inflight));
                     let new = if last {
                         Amount::ZERO
+                    } else if st.draining {
+                        min(sub(st.granted, consumed), st.inflight)
                     } else {
                         sub(st.granted, consumed)
                     };
