@@ -120,7 +120,7 @@ async fn replicas_on_one_hard_bound_never_admit_past_it_and_commit_what_they_ser
                             refused_in_a_row = 0;
                             let total = admitted.fetch_add(w, Ordering::SeqCst) + w;
                             assert!(total <= LIMIT, "admitted {total} > {LIMIT}");
-                            if rand::random::<u8>() % 4 == 0 {
+                            if rand::random::<u8>().is_multiple_of(4) {
                                 tokio::time::sleep(Duration::from_millis(1)).await;
                             }
                             served.fetch_add(w, Ordering::SeqCst);

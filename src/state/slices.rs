@@ -468,7 +468,7 @@ impl S {
         };
         self.redis.slice_answered();
         match reply.first() {
-            Some(1) if reply.len() >= 1 + 6 * missing.len() => {
+            Some(1) if reply.len() > 6 * missing.len() => {
                 let mut seen = Vec::with_capacity(n);
                 for (j, (i, rkey, id, expiry)) in fresh.into_iter().enumerate() {
                     let granted = amount_at(&reply, 1 + 6 * j);
