@@ -105,6 +105,8 @@ impl Governor {
                 }))
             }
             Err(_) => match policy.state.on_unavailable {
+                // Slices: the replica admitted what it holds already; past it, refuse.
+                OnUnavailable::Local if shared.bounded_offline() => Err(ReserveError::Unavailable),
                 OnUnavailable::Local => {
                     let mut r = self.reserve_local(&reserve, amount)?;
                     // What this request uses is written back once the store answers.

@@ -62,6 +62,13 @@ pub trait SharedCounters: Send + Sync + std::fmt::Debug {
     fn offline_hold(&self, _parts: &[SharedPart<'_>], _now: Millis) -> Option<Box<dyn SharedHold>> {
         None
     }
+
+    /// Whether this store bounds what a replica admits while the store is away (slices:
+    /// only what it holds). Then `state.on_unavailable: local` refuses past it instead of
+    /// counting alone.
+    fn bounded_offline(&self) -> bool {
+        false
+    }
 }
 
 /// A reservation held in the shared store. Dropping it releases the hold (in the background);

@@ -291,6 +291,7 @@ pub struct RawState {
     pub flush_interval: Option<RawDuration>,
     pub lease: Option<RawDuration>,
     pub namespace: Option<String>,
+    pub slices: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -302,7 +302,12 @@ impl V<'_> {
             }
             None => DEFAULT_STATE_NAMESPACE.to_owned(),
         };
+        let slices = get!(m.state, slices).copied().unwrap_or(false);
+        if slices && backend != StateBackend::Redis {
+            self.err::<()>(f, "state.slices", "needs state.backend: redis");
+        }
         StateCfg {
+            slices,
             backend,
             path,
             redis_url,

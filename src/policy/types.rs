@@ -471,6 +471,8 @@ pub struct StateCfg {
     pub lease: Duration,
     /// Redis: the key namespace (`{tollgate:<namespace>}`); replicas sharing budgets share it.
     pub namespace: String,
+    /// Redis: lease slices of the bounds and admit from them locally (docs/scale-out-slices.md).
+    pub slices: bool,
 }
 
 /// `state.on_unavailable`: fail closed (refuse with 503) or fall back to the replica's own

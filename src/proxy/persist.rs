@@ -68,8 +68,14 @@ impl State {
                     lease_ms = cfg.lease.as_millis() as u64,
                     "state: counters shared through Redis"
                 );
+                let shared: Arc<dyn crate::ledger::SharedCounters> = if cfg.slices {
+                    tracing::info!("state: slices on (docs/scale-out-slices.md)");
+                    Arc::new(crate::state::SlicedStore::new(store.clone()))
+                } else {
+                    Arc::new(store.clone())
+                };
                 Ok(State {
-                    governor: Arc::new(Governor::with_shared(ledger, Arc::new(store.clone()))),
+                    governor: Arc::new(Governor::with_shared(ledger, shared)),
                     persister: None,
                     redis: Some(store),
                 })

@@ -10,9 +10,11 @@
 //! plain [`CircuitRow`]s that the caller converts.
 
 pub mod redis;
+pub mod slices;
 pub mod sqlite;
 
 pub use redis::RedisStore;
+pub use slices::SlicedStore;
 pub use sqlite::{Persister, SqliteStore};
 
 /// A circuit breaker's persisted state (the governor's `Circuit` in plain values).

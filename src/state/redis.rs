@@ -535,6 +535,89 @@ impl RedisStore {
     }
 }
 
+/// Hooks for the slices layer (`state/slices.rs`, docs/scale-out-slices.md): the connection,
+/// failure reporting, the adopted epoch and the record of committed usage.
+impl RedisStore {
+    pub(crate) async fn slice_conn(&self) -> Result<MultiplexedConnection, StoreUnavailable> {
+        self.inner.conn().await
+    }
+
+    pub(crate) fn slice_failed(&self, e: &redis::RedisError) {
+        self.inner.failed(e);
+    }
+
+    pub(crate) fn slice_answered(&self) {
+        self.inner.answered();
+    }
+
+    /// The epoch marker's and the rebuilding flag's keys.
+    pub(crate) fn slice_marker_keys(&self) -> (&str, &str) {
+        (&self.inner.epoch_key, &self.inner.rebuild_key)
+    }
+
+    pub(crate) fn lease_ms(&self) -> i64 {
+        self.inner.lease_ms
+    }
+
+    pub(crate) fn on_unavailable(&self) -> OnUnavailable {
+        self.inner.on_unavailable
+    }
+
+    /// When a counter's keys expire (ms), as for a per-request hold.
+    pub(crate) fn key_expiry(&self, p: &SharedPart<'_>, now: Millis) -> i64 {
+        self.inner.expiry(p, now)
+    }
+
+    pub(crate) fn epoch(&self) -> Option<Arc<str>> {
+        lock(&self.inner.book).epoch.clone()
+    }
+
+    /// Makes sure an epoch is adopted and this replica's rebuild is done, as before a
+    /// reservation. `Ok(false)`: rebuilding.
+    pub(crate) async fn slice_epoch_ready(&self) -> Result<bool, StoreUnavailable> {
+        if lock(&self.inner.book).epoch.is_none() || self.inner.rebuilding.load(Ordering::Acquire) {
+            self.inner.sync_epoch().await?;
+        }
+        Ok(!self.inner.rebuilding.load(Ordering::Acquire))
+    }
+
+    /// Compares the epoch marker now (a script said it is not ours).
+    pub(crate) async fn slice_sync(&self) {
+        let _ = self.inner.sync_epoch().await;
+    }
+
+    /// Records a slice's batch of usage in the journal of committed usage, under the lock
+    /// of the epoch switch. `true`: the slice's epoch is the adopted one, the caller writes
+    /// the batch. `false`: it is not; the usage is written here as a fresh commit in the
+    /// adopted epoch (as a settle of a hold of an old epoch), and the slice is gone.
+    pub(crate) fn slice_book(
+        &self,
+        key: &str,
+        expiry: i64,
+        used: Amount,
+        epoch: &Option<Arc<str>>,
+    ) -> bool {
+        let slot = Slot {
+            keys: vec![key.to_owned(), format!("{key}:l"), format!("{key}:s")],
+            expires: vec![expiry],
+            member: String::new(),
+            rid_len: 0,
+            epoch: epoch.clone(),
+        };
+        {
+            let mut b = lock(&self.inner.book);
+            if b.epoch == *epoch {
+                b.record(&slot, used, wall_ms());
+                return true;
+            }
+        }
+        if used != Amount::ZERO {
+            self.inner.finish(slot, Some(used), false);
+        }
+        false
+    }
+}
+
 impl Inner {
     fn counter_key(&self, k: &CounterKey) -> String {
         let (w, s) = match k.window {
