@@ -114,6 +114,11 @@ async fn an_event_that_never_ends_is_cut_at_its_cap_and_counts_as_a_failure() {
     let a = sc.audit(&rid(&s.headers)).await;
     assert_eq!(a["usage_evidence_state"], "PARTIAL", "{a}");
     assert_eq!(a["reason_class"], "UPSTREAM_FAILURE", "{a}");
+    // Megabytes forwarded that were never counted: the reserved worst case is committed.
+    assert_eq!(
+        a["actual_output_tokens"], a["upstream_max_tokens"],
+        "the worst case's output, not what was counted: {a}"
+    );
     assert_eq!(sc.circuit("a").consecutive_failures(), 1);
     assert_eq!(sc.ledger().reserved_tokens(), 0);
     sc.stop().await;

@@ -170,9 +170,15 @@ impl Metered {
         drop(permit);
         let policy = &snap.policy;
         let (mut usage, actual) = self.meter.usage_or_count(input_tokens);
-        // Cut by the sidecar before the end: the upstream may have produced more than was
-        // read, so the reserved worst case is committed unless the provider's usage was seen.
-        if !actual && matches!(end, End::Timeout | End::ClientGone | End::ClientStalled) {
+        // Cut by the sidecar before the end (an event past its cap included: its text was
+        // forwarded but never counted): the upstream may have produced more than was read, so
+        // the reserved worst case is committed unless the provider's usage was seen.
+        if !actual
+            && matches!(
+                end,
+                End::Timeout | End::ClientGone | End::ClientStalled | End::Oversized
+            )
+        {
             usage.output_tokens = usage.output_tokens.max(max_output_total);
         }
         let evidence = match end {
