@@ -51,6 +51,8 @@ use crate::policy::{OnUnavailable, StateCfg};
 use crate::units::{Amount, Dim, Millis};
 use arc_swap::ArcSwapOption;
 use redis::aio::MultiplexedConnection;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
 use redis::{AsyncConnectionConfig, Script};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
@@ -94,8 +96,65 @@ pub const POLICY_EVERY: Duration = Duration::from_secs(60);
 /// Most counters in the record of what this replica committed in the windows in force.
 const MAX_BOOK: usize = 100_000;
 
-/// Connect and response timeout for every Redis call.
+/// Connect and response timeout for every Redis call (in a cluster: for each node's answer).
 pub const REDIS_TIMEOUT: Duration = Duration::from_millis(500);
+/// In a Redis Cluster: the most one call may take, redirections (`MOVED`, `ASK`) and waits
+/// on `TRYAGAIN` / `CLUSTERDOWN` (slot migration, failover) included.
+pub const CLUSTER_CALL_TIMEOUT: Duration = Duration::from_millis(2_000);
+/// In a Redis Cluster: how often one call is tried again (redirections included), and the
+/// wait before a retry after `TRYAGAIN`, `CLUSTERDOWN` or a lost node (ms, jittered).
+const CLUSTER_RETRIES: u32 = 12;
+const CLUSTER_RETRY_MIN_MS: u64 = 20;
+const CLUSTER_RETRY_MAX_MS: u64 = 250;
+
+/// A connection to a single Redis or to a Redis Cluster (`redis` crate's cluster client:
+/// it follows `MOVED`/`ASK`, waits out `TRYAGAIN`, refreshes its slot map on failover).
+/// Scripts run through either (`Script::invoke_async` routes by the first key's slot).
+#[derive(Clone)]
+enum Conn {
+    Single(MultiplexedConnection),
+    Cluster(ClusterConnection),
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Conn::Single(_) => "Conn::Single",
+            Conn::Cluster(_) => "Conn::Cluster",
+        })
+    }
+}
+
+impl redis::aio::ConnectionLike for Conn {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
 /// After a failure, calls are answered "unavailable" without trying for this long.
 pub const RETRY_AFTER_FAILURE_MS: i64 = 1000;
 /// Extra life of a window's keys past the window end (plus the lease).
@@ -118,8 +177,11 @@ pub struct RedisStore {
 
 #[derive(Debug)]
 struct Inner {
-    client: redis::Client,
-    conn: ArcSwapOption<MultiplexedConnection>,
+    /// `state.redis_url` first, then `state.redis_urls` (extra cluster seed nodes).
+    clients: Vec<redis::Client>,
+    conn: ArcSwapOption<Conn>,
+    /// The Redis answered `cluster_enabled:1` at the last connect.
+    cluster: AtomicBool,
     connecting: tokio::sync::Mutex<()>,
     /// Wall-clock ms until which calls fail fast after a failure.
     down_until: AtomicI64,
@@ -249,7 +311,7 @@ pub fn describe(e: &redis::RedisError) -> String {
         let detail: String = e.detail().unwrap_or("").chars().take(160).collect();
         let what = match code {
             "MOVED" | "ASK" => {
-                "this node does not own the namespace's slot; tollgate has no Redis Cluster client: point state.redis_url at the owning node or a non-cluster Redis"
+                "the namespace's slot is on another cluster node and the cluster client could not follow it (slot map changing, or the node was not a cluster node when tollgate connected)"
             }
             "OOM" => "Redis is out of memory (maxmemory reached)",
             "NOAUTH" | "WRONGPASS" => "Redis wants authentication: put the password in state.redis_url",
@@ -275,6 +337,26 @@ pub fn describe(e: &redis::RedisError) -> String {
     } else {
         e.category().to_string()
     }
+}
+
+/// The least safe `maxmemory-policy` among a cluster's masters' `CONFIG GET` answers (a map
+/// node -> answer); `None` when no master answered it.
+fn cluster_policy(v: redis::Value) -> Option<String> {
+    let redis::Value::Map(nodes) = v else {
+        return None;
+    };
+    let mut seen: Option<String> = None;
+    for (_, answer) in nodes {
+        let Ok(pair) = redis::from_redis_value::<Vec<String>>(answer) else {
+            continue;
+        };
+        let Some(p) = pair.get(1) else { continue };
+        let p: String = p.chars().take(64).collect();
+        if seen.as_deref().is_none_or(|s| s == "noeviction") {
+            seen = Some(p);
+        }
+    }
+    seen
 }
 
 /// Whether the call's reply may simply have been lost (the script may have run).
@@ -317,8 +399,10 @@ impl RedisStore {
             .redis_url
             .as_deref()
             .ok_or_else(|| super::StateError("state.redis_url is not set".into()))?;
-        Self::with(
-            url,
+        let mut urls = vec![url];
+        urls.extend(cfg.redis_urls.iter().map(String::as_str));
+        Self::with_seeds(
+            &urls,
             &cfg.namespace,
             cfg.lease,
             cfg.job_idle_ttl,
@@ -333,15 +417,44 @@ impl RedisStore {
         job_idle_ttl: Duration,
         on_unavailable: OnUnavailable,
     ) -> Result<RedisStore, super::StateError> {
-        // The URL may hold a password: never echo it.
-        let client = redis::Client::open(url).map_err(|e| {
-            super::StateError(format!("state.redis_url is not usable: {:?}", e.kind()))
-        })?;
+        Self::with_seeds(&[url], namespace, lease, job_idle_ttl, on_unavailable)
+    }
+
+    /// As [`RedisStore::with`], with more seed nodes: `urls[0]` is `state.redis_url`, the
+    /// rest `state.redis_urls`. The first that answers says whether Redis is a cluster
+    /// (`INFO cluster`); a cluster is reached through every seed, a single Redis only
+    /// through `urls[0]`.
+    pub fn with_seeds(
+        urls: &[&str],
+        namespace: &str,
+        lease: Duration,
+        job_idle_ttl: Duration,
+        on_unavailable: OnUnavailable,
+    ) -> Result<RedisStore, super::StateError> {
+        if urls.is_empty() {
+            return Err(super::StateError("state.redis_url is not set".into()));
+        }
+        // A URL may hold a password: never echo it.
+        let clients = urls
+            .iter()
+            .enumerate()
+            .map(|(i, url)| {
+                redis::Client::open(*url).map_err(|e| {
+                    let key = if i == 0 {
+                        "state.redis_url".to_string()
+                    } else {
+                        format!("state.redis_urls[{}]", i - 1)
+                    };
+                    super::StateError(format!("{key} is not usable: {:?}", e.kind()))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let prefix = format!("{{tollgate:{namespace}}}");
         Ok(RedisStore {
             inner: Arc::new(Inner {
-                client,
+                clients,
                 conn: ArcSwapOption::empty(),
+                cluster: AtomicBool::new(false),
                 connecting: tokio::sync::Mutex::new(()),
                 down_until: AtomicI64::new(0),
                 down: AtomicBool::new(false),
@@ -467,6 +580,7 @@ impl RedisStore {
         }
         serde_json::json!({
             "backend": "redis",
+            "topology": if i.cluster.load(Ordering::Acquire) { "cluster" } else { "single" },
             "namespace": i.prefix,
             "available": !i.down.load(Ordering::Acquire),
             "last_error": *lock(&i.last_error),
@@ -551,19 +665,27 @@ impl Inner {
         )
     }
 
-    async fn conn(&self) -> Result<MultiplexedConnection, StoreUnavailable> {
+    async fn conn(&self) -> Result<Conn, StoreUnavailable> {
+        let now = wall_ms();
         if let Some(c) = self.conn.load_full() {
+            // A cluster connection is kept across failures (it reconnects to the nodes by
+            // itself); it fails fast for a second after a node did not answer.
+            if matches!(*c, Conn::Cluster(_)) && now < self.down_until.load(Ordering::Acquire) {
+                return Err(StoreUnavailable);
+            }
             return Ok((*c).clone());
         }
-        let now = wall_ms();
         if now < self.down_until.load(Ordering::Acquire) {
             return Err(StoreUnavailable);
         }
         self.connect().await
     }
 
-    /// Connects now (even inside the fail-fast second: a lost reply's one retry).
-    async fn connect(&self) -> Result<MultiplexedConnection, StoreUnavailable> {
+    /// Connects now (even inside the fail-fast second: a lost reply's one retry). The first
+    /// seed that answers says, through `INFO cluster`, whether this is a Redis Cluster; then
+    /// the cluster client is built over every seed. A non-cluster Redis is used only when it
+    /// is `state.redis_url` (the extra seeds are for a cluster).
+    async fn connect(&self) -> Result<Conn, StoreUnavailable> {
         let _g = self.connecting.lock().await;
         if let Some(c) = self.conn.load_full() {
             return Ok((*c).clone());
@@ -571,28 +693,109 @@ impl Inner {
         let cfg = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(REDIS_TIMEOUT))
             .set_response_timeout(Some(REDIS_TIMEOUT));
-        match self
-            .client
-            .get_multiplexed_async_connection_with_config(&cfg)
-            .await
-        {
-            Ok(c) => {
-                self.conn.store(Some(Arc::new(c.clone())));
-                Ok(c)
+        let mut last: Option<redis::RedisError> = None;
+        for (i, client) in self.clients.iter().enumerate() {
+            let mut c = match client
+                .get_multiplexed_async_connection_with_config(&cfg)
+                .await
+            {
+                Ok(c) => c,
+                Err(e) => {
+                    last = Some(e);
+                    continue;
+                }
+            };
+            let info: Result<String, _> =
+                redis::cmd("INFO").arg("cluster").query_async(&mut c).await;
+            let cluster = match info {
+                Ok(text) => text.lines().any(|l| l.trim() == "cluster_enabled:1"),
+                // INFO refused (ACL, renamed): not a cluster as far as tollgate can tell.
+                Err(e) if e.code().is_some() => false,
+                Err(e) => {
+                    last = Some(e);
+                    continue;
+                }
+            };
+            let conn = if cluster {
+                match self.cluster_connect().await {
+                    Ok(cc) => Conn::Cluster(cc),
+                    Err(e) => {
+                        last = Some(e);
+                        break;
+                    }
+                }
+            } else if i == 0 {
+                Conn::Single(c)
+            } else {
+                tracing::warn!(
+                    seed = i - 1,
+                    "state: state.redis_urls[{}] is not a Redis Cluster node; the extra seeds are for a cluster, ignored",
+                    i - 1
+                );
+                continue;
+            };
+            if cluster && !self.cluster.swap(true, Ordering::AcqRel) {
+                tracing::info!(
+                    seeds = self.clients.len(),
+                    "state: Redis is a cluster (cluster_enabled:1): using the cluster client (MOVED, ASK, TRYAGAIN and failover are followed)"
+                );
+            } else if !cluster {
+                self.cluster.store(false, Ordering::Release);
             }
-            Err(e) => {
-                self.failed(&e);
-                Err(StoreUnavailable)
-            }
+            self.conn.store(Some(Arc::new(conn.clone())));
+            return Ok(conn);
         }
+        match last {
+            Some(e) => self.failed(&e),
+            None => self
+                .down_until
+                .store(wall_ms() + RETRY_AFTER_FAILURE_MS, Ordering::Release),
+        }
+        Err(StoreUnavailable)
+    }
+
+    /// The cluster client over every seed, with tollgate's timeouts and a short retry wait.
+    async fn cluster_connect(&self) -> Result<ClusterConnection, redis::RedisError> {
+        let seeds: Vec<redis::ConnectionInfo> = self
+            .clients
+            .iter()
+            .map(|c| c.get_connection_info().clone())
+            .collect();
+        let client = redis::cluster::ClusterClientBuilder::new(seeds)
+            .connection_timeout(REDIS_TIMEOUT)
+            .response_timeout(REDIS_TIMEOUT)
+            .overall_response_timeout(Some(CLUSTER_CALL_TIMEOUT))
+            .retries(CLUSTER_RETRIES)
+            .min_retry_wait(CLUSTER_RETRY_MIN_MS)
+            .max_retry_wait(CLUSTER_RETRY_MAX_MS)
+            .build()?;
+        tokio::time::timeout(CLUSTER_CALL_TIMEOUT, client.get_async_connection())
+            .await
+            .unwrap_or_else(|_| {
+                Err(redis::RedisError::from(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "cluster connect",
+                )))
+            })
     }
 
     /// Marks Redis down: drop the connection, fail fast for a second, say so (once per
     /// outage, and again when the error changes), naming the error as Redis named it.
     fn failed(&self, e: &redis::RedisError) {
-        self.conn.store(None);
-        self.down_until
-            .store(wall_ms() + RETRY_AFTER_FAILURE_MS, Ordering::Release);
+        let cluster = self
+            .conn
+            .load()
+            .as_deref()
+            .is_some_and(|c| matches!(c, Conn::Cluster(_)));
+        if !cluster {
+            self.conn.store(None);
+        }
+        // A cluster's refusal (TRYAGAIN, CLUSTERDOWN... after the client's own retries) is
+        // not a node that does not answer: the next call tries again at once.
+        if !cluster || e.code().is_none() {
+            self.down_until
+                .store(wall_ms() + RETRY_AFTER_FAILURE_MS, Ordering::Release);
+        }
         let why = describe(e);
         let changed = {
             let mut last = lock(&self.last_error);
@@ -897,10 +1100,7 @@ impl Inner {
     /// Writes the pending rebuild (this replica's committed usage per counter) into its
     /// epoch: one `settle.lua` commit per counter, idempotent by a reservation id made of
     /// this replica and the epoch.
-    async fn apply_pending(
-        self: &Arc<Self>,
-        conn: &mut MultiplexedConnection,
-    ) -> Result<(), StoreUnavailable> {
+    async fn apply_pending(self: &Arc<Self>, conn: &mut Conn) -> Result<(), StoreUnavailable> {
         let Some(rb) = lock(&self.book).pending.clone() else {
             return Ok(());
         };
@@ -968,15 +1168,27 @@ impl Inner {
         let Ok(mut conn) = self.conn().await else {
             return;
         };
-        let got: Result<Vec<String>, _> = redis::cmd("CONFIG")
-            .arg("GET")
-            .arg("maxmemory-policy")
-            .query_async(&mut conn)
-            .await;
-        let policy = match got {
-            Ok(v) => v.get(1).map(|p| p.chars().take(64).collect::<String>()),
-            Err(e) if reply_lost(&e) => return,
-            Err(_) => None,
+        let mut cmd = redis::cmd("CONFIG");
+        cmd.arg("GET").arg("maxmemory-policy");
+        let policy = match &mut conn {
+            Conn::Single(c) => {
+                let got: Result<Vec<String>, _> = cmd.query_async(c).await;
+                match got {
+                    Ok(v) => v.get(1).map(|p| p.chars().take(64).collect::<String>()),
+                    Err(e) if reply_lost(&e) => return,
+                    Err(_) => None,
+                }
+            }
+            // CONFIG GET answers for one node: ask every master (the namespace's slot may
+            // move to any of them) and report the least safe answer.
+            Conn::Cluster(c) => {
+                let route = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                match c.route_command(cmd, route).await {
+                    Ok(v) => cluster_policy(v),
+                    Err(e) if reply_lost(&e) => return,
+                    Err(_) => None,
+                }
+            }
         };
         let policy = policy.unwrap_or_else(|| "unknown".to_string());
         let before = lock(&self.eviction).replace(policy.clone());
