@@ -239,6 +239,15 @@ impl Node {
     }
 }
 
+/// How often `port` answered with error `code` (`INFO errorstats`), e.g. ASK, TRYAGAIN, MOVED.
+async fn errors(port: u16, code: &str) -> u64 {
+    let info: String = cmd(port, &["INFO", "errorstats"]).await.unwrap_or_default();
+    info.lines()
+        .find_map(|l| l.strip_prefix(&format!("errorstat_{code}:count=")))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 /// The namespace's cluster slot (all its keys share the hash tag `{tollgate:<ns>}`).
 async fn slot_of(c: &Cluster, namespace: &str) -> u16 {
     let s: i64 = cmd(
@@ -430,6 +439,13 @@ async fn redis_url_at_a_node_without_the_slot_governs_and_counts() {
         .unwrap_err();
     assert_eq!(e.code(), Some("MOVED"), "{e}");
 
+    // A master other than the slot's owner may evict: the check asks every master.
+    let _: () = cmd(
+        other.port,
+        &["CONFIG", "SET", "maxmemory-policy", "allkeys-lru"],
+    )
+    .await
+    .unwrap();
     let w = worst();
     let k = 24u64;
     let up = MockUpstream::start_with_default(vec![], ok_answer(0)).await;
@@ -457,6 +473,26 @@ async fn redis_url_at_a_node_without_the_slot_governs_and_counts() {
     assert_eq!(s, 200);
     let st = common::json(&b);
     assert_eq!(st["state"]["topology"], "cluster", "{st}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, _, b) = common::get(&format!(
+            "http://{}/admin/status",
+            sidecars[0].running.admin_addr
+        ))
+        .await;
+        let st = common::json(&b);
+        if st["state"]["maxmemory_policy"] == "allkeys-lru" {
+            assert_eq!(st["state"]["eviction_unsafe"], true, "{st}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "{st}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The epoch marker lives on the slot's owner.
+    let epoch: Option<String> = cmd(owner.port, &["GET", &format!("{{tollgate:{n}}}:epoch")])
+        .await
+        .unwrap();
+    assert!(epoch.is_some(), "epoch marker on the owner");
 
     let seen = Arc::new(Seen::default());
     for h in load(&sidecars, &seen, Instant::now() + Duration::from_secs(30)) {
@@ -489,7 +525,10 @@ async fn migrate_slot(c: &Cluster, slot: u16, from: &Node, to: &Node) {
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let keys: Vec<String> = cmd(from.port, &["CLUSTER", "GETKEYSINSLOT", &s, "100"])
+        // One key at a time, 100 ms apart, so the fleet's requests meet the slot half-moved
+        // (the old owner answers ASK or TRYAGAIN, the new one TRYAGAIN) for most of a second.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let keys: Vec<String> = cmd(from.port, &["CLUSTER", "GETKEYSINSLOT", &s, "1"])
             .await
             .unwrap();
         if keys.is_empty() {
@@ -556,6 +595,16 @@ async fn slot_migration_under_load_needs_no_restart_and_keeps_the_bound() {
         seen.ok.load(Ordering::Relaxed) > at_move,
         "requests were served after the move"
     );
+    // The move met the fleet's traffic: redirections and retries were answered and followed.
+    let (ask, again) = (
+        errors(from.port, "ASK").await,
+        errors(from.port, "TRYAGAIN").await,
+    );
+    let moved_err = errors(from.port, "MOVED").await;
+    let again_new = errors(to.port, "TRYAGAIN").await;
+    let early = seen.other.lock().unwrap().len();
+    eprintln!("migration: ASK {ask}, TRYAGAIN {again}, MOVED {moved_err} on the old owner, TRYAGAIN {again_new} on the new one; {early} requests refused during the move");
+    assert!(ask + again + again_new > 0, "the migration met no request");
     check_books(&c, &n, slot, &up, &seen, k, moved + Duration::from_secs(2)).await;
     assert_eq!(
         totals(from.port, &n).await,
@@ -605,6 +654,10 @@ async fn master_failover_under_load_needs_no_restart_and_keeps_the_bound() {
         seen.ok.load(Ordering::Relaxed) > at_failover,
         "requests were served after the failover"
     );
+    let moved_err = errors(master.port, "MOVED").await;
+    let early = seen.other.lock().unwrap().len();
+    eprintln!("failover: MOVED {moved_err} on the old master; {early} requests refused around the failover");
+    assert!(moved_err > 0, "the failover met no request");
     check_books(
         &c,
         &n,
