@@ -36,6 +36,14 @@
 //! made in an older epoch is refused by the script and is never replayed: its usage is in
 //! the record the rebuild applied. See docs/scale-out.md for the argument.
 //!
+//! **Cluster.** At connect the first seed that answers (`state.redis_url`, then
+//! `state.redis_urls`) is asked `INFO cluster`; on `cluster_enabled:1` every call goes through
+//! the `redis` crate's cluster client (`Conn::Cluster`), which follows `MOVED`/`ASK`, waits
+//! out `TRYAGAIN`/`CLUSTERDOWN` (retries 20–250 ms apart, at most [`CLUSTER_CALL_TIMEOUT`] per
+//! call) and refreshes its slot map after a failover. Both scripts are idempotent by
+//! reservation id, so the client's retries never hold or count twice. `CONFIG GET
+//! maxmemory-policy` goes to every master.
+//!
 //! When Redis does not answer (connect or response timeout: 500 ms), the store reports
 //! [`StoreUnavailable`] and stops trying for one second; the governor then follows
 //! `state.on_unavailable`. The next attempt after that second reconnects. In `local` mode the
