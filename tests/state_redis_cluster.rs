@@ -669,3 +669,51 @@ async fn master_failover_under_load_needs_no_restart_and_keeps_the_bound() {
     )
     .await;
 }
+
+/// (d) The slot's master stops answering (`CLIENT PAUSE`) while calls are in flight: their
+/// settles cannot be written, are journaled, and are replayed through the cluster client once
+/// it answers: nothing held, the count exact, the journal empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settles_journaled_while_the_master_is_paused_are_replayed() {
+    let c = Cluster::start().await;
+    let n = ns("cl-journal");
+    let slot = slot_of(&c, &n).await;
+    let master = c.owner(slot).await;
+    let w = worst();
+    let up = MockUpstream::start_with_default(vec![], ok_answer(600)).await;
+    let yaml = policy(&up.base_url(), &n, &url(master.port), "", 1000 * w);
+    let sc = Arc::new(Sidecar::start_shared(&yaml).await);
+    let calls: Vec<_> = (0..4)
+        .map(|_| {
+            let sc = sc.clone();
+            tokio::spawn(async move { chat(&sc).await })
+        })
+        .collect();
+    // All four reserved and reached the upstream; their settles come after the pause starts.
+    assert_eq!(up.wait_for_hits(4, Duration::from_secs(10)).await, 4);
+    let _: () = cmd(master.port, &["CLIENT", "PAUSE", "3500", "ALL"])
+        .await
+        .unwrap();
+    for h in calls {
+        assert_eq!(h.await.unwrap(), (200, "OK".into()));
+    }
+    let status = format!("http://{}/admin/status", sc.running.admin_addr);
+    let pending = |st: &serde_json::Value| st["state"]["journal"]["pending_settlements"].as_u64();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut journaled = false;
+    loop {
+        let st = common::json(&common::get(&status).await.2);
+        journaled |= pending(&st).unwrap_or(0) > 0;
+        if journaled && pending(&st) == Some(0) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "journal not replayed: {st}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (ct, ht) = settled_totals(&c, &n, slot).await;
+    assert_eq!(
+        (ct, ht),
+        (4 * w as i64, 0),
+        "replayed once each, nothing held"
+    );
+}
