@@ -717,3 +717,221 @@ async fn settles_journaled_while_the_master_is_paused_are_replayed() {
         "replayed once each, nothing held"
     );
 }
+
+/// The shard of a counter (`state.shards`): FNV-1a of `<scope>:<window>:<start>:<id>`, the
+/// text after `}:c:` in its key (the store's layout, checked below against real keys).
+fn shard_of(text: &str, n: u64) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in text.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h % n
+}
+
+/// Every counter hash of `namespace` on every master: (shard, text after `}:c:`).
+async fn counters(c: &Cluster, namespace: &str) -> Vec<(u64, String, u16)> {
+    let mut out = Vec::new();
+    for n in c.nodes().await.iter().filter(|n| n.master) {
+        let keys: Vec<String> = cmd(n.port, &["KEYS", &format!("{{tollgate:{namespace}*")])
+            .await
+            .unwrap();
+        for k in keys {
+            let Some((tag, rest)) = k.split_once("}:c:") else {
+                continue;
+            };
+            if rest.ends_with(":l") || rest.ends_with(":s") {
+                continue;
+            }
+            let shard = tag
+                .strip_prefix(&format!("{{tollgate:{namespace}"))
+                .and_then(|t| t.strip_prefix(':'))
+                .map_or(0, |s| s.parse().unwrap());
+            out.push((shard, rest.to_string(), n.port));
+        }
+    }
+    out
+}
+
+fn sharded_policy(mock: &str, namespace: &str, redis_url: &str, global: u64, per: u64) -> String {
+    format!(
+        r#"
+version: cluster-shards
+backends:
+  - {{id: primary, kind: openai, base_url: "{mock}", timeouts: {{total: 3s}}}}
+routes:
+  - model: chat
+    chain: [{{backend: primary, model: small}}]
+budgets:
+  - {{name: all, scope: global, window: month, hard_tokens: {global}}}
+  - {{name: each, scope: consumer, window: day, hard_tokens: {per}}}
+state: {{backend: redis, redis_url: "{redis_url}", namespace: "{namespace}", shards: 8}}
+audit: {{sink: "off"}}
+"#
+    )
+}
+
+/// (e) `state.shards: 8`: each counter under its own tag, spread over the masters; a
+/// reservation spanning shards is taken shard by shard and, when a later shard refuses, the
+/// holds already taken are released: the consumers' hard bounds refuse exactly, the global
+/// counter counts exactly what was served, and nothing stays held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sharded_counters_span_slots_and_release_taken_holds_on_refusal() {
+    let c = Cluster::start().await;
+    let w = worst();
+    let up = MockUpstream::start_with_default(vec![], ok_answer(0)).await;
+    let seed = c.ports[0];
+    // Learn the layout (window starts, the global counter's id) on a scratch namespace.
+    let scratch = ns("cl-shard-scratch");
+    let sc = Sidecar::start_shared(&sharded_policy(
+        &up.base_url(),
+        &scratch,
+        &url(seed),
+        1000 * w,
+        1000 * w,
+    ))
+    .await;
+    let hdr = [("x-tollgate-consumer", "warm")];
+    assert_eq!(
+        try_post_json(&sc.chat_url(), &body(), &hdr)
+            .await
+            .unwrap()
+            .0,
+        200
+    );
+    let seen = counters(&c, &scratch).await;
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    for (shard, text, _) in &seen {
+        assert_eq!(*shard, shard_of(text, 8), "the shard layout: {text}");
+    }
+    let global = seen
+        .iter()
+        .find(|(_, t, _)| t.starts_with("global:"))
+        .unwrap()
+        .clone();
+    let day = seen
+        .iter()
+        .find(|(_, t, _)| t.starts_with("consumer:"))
+        .unwrap()
+        .1
+        .clone();
+    let day_prefix = day.strip_suffix("warm").unwrap().to_string();
+    sc.stop().await;
+
+    // Consumers whose counter's shard comes after the global counter's: their reservation
+    // holds the global counter first, so a refusal must release that hold. (If the global
+    // counter is in the last shard, the global bound is the one that refuses instead, and
+    // consumer holds taken first are released.)
+    let per = 3u64;
+    let consumers: Vec<String> = if global.0 < 7 {
+        (0..10_000)
+            .map(|i| format!("c{i}"))
+            .filter(|id| shard_of(&format!("{day_prefix}{id}"), 8) > global.0)
+            .take(4)
+            .collect()
+    } else {
+        (0..4).map(|i| format!("c{i}")).collect()
+    };
+    assert_eq!(consumers.len(), 4);
+    let (global_cap, per_cap) = if global.0 < 7 {
+        (1000 * w, per * w)
+    } else {
+        (per * w, 1000 * w)
+    };
+    let n = ns("cl-shard");
+    let yaml = sharded_policy(&up.base_url(), &n, &url(seed), global_cap, per_cap);
+    let sidecars = fleet(&yaml).await;
+    let served = Arc::new(AtomicUsize::new(0));
+    let tasks: Vec<_> = sidecars
+        .iter()
+        .enumerate()
+        .map(|(i, sc)| {
+            let (sc, served, who) = (sc.clone(), served.clone(), consumers[i % 4].clone());
+            tokio::spawn(async move {
+                let hdr = [("x-tollgate-consumer", who.as_str())];
+                let mut refused = 0;
+                for _ in 0..8 {
+                    let (s, h, _) = try_post_json(&sc.chat_url(), &body(), &hdr).await.unwrap();
+                    let reason = h
+                        .get("x-tollgate-reason")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or_default()
+                        .to_string();
+                    match s {
+                        200 => {
+                            served.fetch_add(1, Ordering::Relaxed);
+                        }
+                        403 => {
+                            assert_eq!(reason, "HARD_BUDGET_EXCEEDED");
+                            refused += 1;
+                        }
+                        _ => panic!("{s} {reason}"),
+                    }
+                }
+                refused
+            })
+        })
+        .collect();
+    let mut refused = 0;
+    for t in tasks {
+        refused += t.await.unwrap();
+    }
+    let served = served.load(Ordering::Relaxed) as u64;
+    let hits = up.hits() as u64 - 1; // the scratch request
+    assert_eq!(served, hits);
+    if global.0 < 7 {
+        assert_eq!(served, 4 * per, "each consumer got exactly its bound");
+    } else {
+        assert_eq!(served, per, "the global bound held exactly");
+    }
+    assert_eq!(served + refused, 64);
+    // Counters live in several shards on more than one master; nothing is held (the holds
+    // taken before a refusal were released, not left to the lease), counts are exact.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let all = counters(&c, &n).await;
+        let mut held = 0i64;
+        let mut ct_global = 0i64;
+        let mut ct_consumers = 0i64;
+        for (_, text, port) in &all {
+            let key = all_key(&n, text);
+            let v: Vec<Option<i64>> = cmd(*port, &["HMGET", &key, "ct", "ht"]).await.unwrap();
+            held += v[1].unwrap_or(0);
+            if text.starts_with("global:") {
+                ct_global += v[0].unwrap_or(0);
+            } else {
+                ct_consumers += v[0].unwrap_or(0);
+            }
+        }
+        let shards: std::collections::HashSet<u64> = all.iter().map(|x| x.0).collect();
+        let ports: std::collections::HashSet<u16> = all.iter().map(|x| x.2).collect();
+        if held == 0 {
+            // Released holds are settled ids too: more settled ids than served requests on
+            // the counters taken first proves holds were taken and then given back.
+            let mut settled = 0i64;
+            for (_, text, port) in &all {
+                if text.starts_with("global:") == (global.0 < 7) {
+                    let k = format!("{}:s", all_key(&n, text));
+                    settled += cmd::<i64>(*port, &["ZCARD", &k]).await.unwrap();
+                }
+            }
+            eprintln!("settled ids on the counters taken first: {settled}, served {served}");
+            assert!(settled > served as i64, "no hold was taken and released");
+            assert_eq!(ct_global, (served * w) as i64);
+            assert_eq!(ct_consumers, (served * w) as i64);
+            assert!(shards.len() >= 2, "{all:?}");
+            eprintln!("shards: {} counters in shards {shards:?} on {} masters; {served} served, {refused} refused", all.len(), ports.len());
+            break;
+        }
+        assert!(Instant::now() < deadline, "holds left: {held} ({all:?})");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A counter's key from its shard layout (the test recomputes the shard).
+fn all_key(namespace: &str, text: &str) -> String {
+    match shard_of(text, 8) {
+        0 => format!("{{tollgate:{namespace}}}:c:{text}"),
+        s => format!("{{tollgate:{namespace}:{s}}}:c:{text}"),
+    }
+}

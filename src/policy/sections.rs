@@ -260,6 +260,10 @@ impl V<'_> {
                 );
             }
         }
+        let shards = self.nonzero(f, "state.shards".into(), get!(m.state, shards), 1);
+        if shards > 64 {
+            self.err::<()>(f, "state.shards", "must be at most 64");
+        }
         let path = match get!(m.state, path) {
             Some(s) => self.required(f, "state.path".into(), Some(s)),
             None => DEFAULT_STATE_PATH.to_owned(),
@@ -330,6 +334,7 @@ impl V<'_> {
             path,
             redis_url,
             redis_urls,
+            shards,
             job_idle_ttl,
             on_unavailable,
             flush_interval,

@@ -250,6 +250,8 @@ fn validation_errors() {
         (format!("{m}state: {{backend: redis}}\n"), "state.redis_url", 9, "required when state.backend is redis"),
         (format!("{m}state: {{backend: redis, redis_url: 'redis://a', redis_urls: ['redis://b', 'http://c']}}\n"), "state.redis_urls[1]", 9, "redis:// or rediss://"),
         (format!("{m}state: {{redis_urls: ['redis://b']}}\n"), "state.redis_urls", 9, "needs state.redis_url"),
+        (format!("{m}state: {{shards: 0}}\n"), "state.shards", 9, "greater than zero"),
+        (format!("{m}state: {{shards: 65}}\n"), "state.shards", 9, "at most 64"),
         (format!("{m}state: {{backend: etcd}}\n"), "state.backend", 9, "expected one of memory, sqlite, redis"),
         (format!("{m}state: {{on_unavailable: maybe}}\n"), "state.on_unavailable", 9, "expected one of deny, local"),
         (format!("{m}state: {{flush_interval: 0s}}\n"), "state.flush_interval", 9, "longer than zero"),

@@ -104,6 +104,8 @@ pub const POLICY_EVERY: Duration = Duration::from_secs(60);
 /// Most counters in the record of what this replica committed in the windows in force.
 const MAX_BOOK: usize = 100_000;
 
+/// Most shards a namespace's counters are spread over (`state.shards`).
+pub const MAX_SHARDS: usize = 64;
 /// Connect and response timeout for every Redis call (in a cluster: for each node's answer).
 pub const REDIS_TIMEOUT: Duration = Duration::from_millis(500);
 /// In a Redis Cluster: the most one call may take, redirections (`MOVED`, `ASK`) and waits
@@ -180,20 +182,25 @@ fn wall_ms() -> Millis {
 /// A Redis-backed shared counter store. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct RedisStore {
+    /// The first shard (`{tollgate:<namespace>}`, the whole store when `state.shards` is 1).
     inner: Arc<Inner>,
+    /// Every shard, the first included; they share one connection. Shard `s > 0` keeps its
+    /// keys under `{tollgate:<namespace>:<s>}`, with its own epoch marker, rebuilding flag,
+    /// record and journal (all of a shard's keys share one cluster slot).
+    shards: Arc<[Arc<Inner>]>,
 }
 
 #[derive(Debug)]
 struct Inner {
     /// `state.redis_url` first, then `state.redis_urls` (extra cluster seed nodes).
-    clients: Vec<redis::Client>,
-    conn: ArcSwapOption<Conn>,
+    clients: Arc<Vec<redis::Client>>,
+    conn: Arc<ArcSwapOption<Conn>>,
     /// The Redis answered `cluster_enabled:1` at the last connect.
-    cluster: AtomicBool,
-    connecting: tokio::sync::Mutex<()>,
+    cluster: Arc<AtomicBool>,
+    connecting: Arc<tokio::sync::Mutex<()>>,
     /// Wall-clock ms until which calls fail fast after a failure.
-    down_until: AtomicI64,
-    down: AtomicBool,
+    down_until: Arc<AtomicI64>,
+    down: Arc<AtomicBool>,
     prefix: String,
     lease_ms: i64,
     job_ttl_ms: i64,
@@ -219,7 +226,7 @@ struct Inner {
     /// A rebuild of this replica's share is pending (mirror of `Book::pending`).
     rebuilding: AtomicBool,
     /// What the last failure was, named as Redis named it (for logs, /readyz, status).
-    last_error: std::sync::Mutex<Option<String>>,
+    last_error: Arc<std::sync::Mutex<Option<String>>>,
     /// `maxmemory-policy` as last read (`unknown` when CONFIG is refused).
     eviction: std::sync::Mutex<Option<String>>,
     /// When this replica last rebuilt its share, and how much (for status).
@@ -415,6 +422,7 @@ impl RedisStore {
             cfg.lease,
             cfg.job_idle_ttl,
             cfg.on_unavailable,
+            cfg.shards as usize,
         )
     }
 
@@ -425,7 +433,7 @@ impl RedisStore {
         job_idle_ttl: Duration,
         on_unavailable: OnUnavailable,
     ) -> Result<RedisStore, super::StateError> {
-        Self::with_seeds(&[url], namespace, lease, job_idle_ttl, on_unavailable)
+        Self::with_seeds(&[url], namespace, lease, job_idle_ttl, on_unavailable, 1)
     }
 
     /// As [`RedisStore::with`], with more seed nodes: `urls[0]` is `state.redis_url`, the
@@ -438,6 +446,7 @@ impl RedisStore {
         lease: Duration,
         job_idle_ttl: Duration,
         on_unavailable: OnUnavailable,
+        shards: usize,
     ) -> Result<RedisStore, super::StateError> {
         if urls.is_empty() {
             return Err(super::StateError("state.redis_url is not set".into()));
@@ -457,15 +466,31 @@ impl RedisStore {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let prefix = format!("{{tollgate:{namespace}}}");
-        Ok(RedisStore {
-            inner: Arc::new(Inner {
-                clients,
-                conn: ArcSwapOption::empty(),
-                cluster: AtomicBool::new(false),
-                connecting: tokio::sync::Mutex::new(()),
-                down_until: AtomicI64::new(0),
-                down: AtomicBool::new(false),
+        let (clients, conn, cluster, connecting) = (
+            Arc::new(clients),
+            Arc::new(ArcSwapOption::empty()),
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(tokio::sync::Mutex::new(())),
+        );
+        let (down_until, down, last_error) = (
+            Arc::new(AtomicI64::new(0)),
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(std::sync::Mutex::new(None)),
+        );
+        let rid_prefix = format!("{:016x}", rand::random::<u64>());
+        let shard = |s: usize| {
+            let prefix = if s == 0 {
+                format!("{{tollgate:{namespace}}}")
+            } else {
+                format!("{{tollgate:{namespace}:{s}}}")
+            };
+            Arc::new(Inner {
+                clients: clients.clone(),
+                conn: conn.clone(),
+                cluster: cluster.clone(),
+                connecting: connecting.clone(),
+                down_until: down_until.clone(),
+                down: down.clone(),
                 epoch_key: format!("{prefix}:epoch"),
                 rebuild_key: format!("{prefix}:rebuilding"),
                 probe_key: format!("{prefix}:probe"),
@@ -473,7 +498,12 @@ impl RedisStore {
                 lease_ms: lease.as_millis().min(i64::MAX as u128) as i64,
                 job_ttl_ms: job_idle_ttl.as_millis().min(i64::MAX as u128) as i64,
                 on_unavailable,
-                rid_prefix: format!("{:016x}", rand::random::<u64>()),
+                // One id space per shard (a reservation id names its shard).
+                rid_prefix: if s == 0 {
+                    rid_prefix.clone()
+                } else {
+                    format!("{rid_prefix}s{s}")
+                },
                 seq: AtomicU64::new(0),
                 reserve: Script::new(RESERVE_LUA),
                 settle: Script::new(SETTLE_LUA),
@@ -484,11 +514,41 @@ impl RedisStore {
                 book: std::sync::Mutex::new(Book::default()),
                 syncing: tokio::sync::Mutex::new(()),
                 rebuilding: AtomicBool::new(false),
-                last_error: std::sync::Mutex::new(None),
+                last_error: last_error.clone(),
                 eviction: std::sync::Mutex::new(None),
                 last_rebuild: std::sync::Mutex::new(None),
-            }),
+            })
+        };
+        let shards: Arc<[Arc<Inner>]> = (0..shards.clamp(1, MAX_SHARDS)).map(shard).collect();
+        Ok(RedisStore {
+            inner: shards[0].clone(),
+            shards,
         })
+    }
+
+    /// How many shards the counters are spread over (`state.shards`).
+    pub fn shards(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// The shard of counter `k`: a stable hash (FNV-1a) of its scope, window and id, so
+    /// every replica puts it in the same shard.
+    fn shard_of(&self, k: &CounterKey) -> usize {
+        let n = self.shards.len();
+        if n <= 1 {
+            return 0;
+        }
+        let (w, s) = match k.window {
+            Some(w) => (w.window.as_str(), w.start),
+            None => ("-", 0),
+        };
+        let text = format!("{}:{}:{}:{}", k.scope.as_str(), w, s, k.id);
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in text.bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        (h % n as u64) as usize
     }
 
     /// The hash tag every key of this store starts with.
@@ -498,7 +558,7 @@ impl RedisStore {
 
     /// The Redis key of a counter's hash (its holds and settled ids add `:l` and `:s`).
     pub fn counter_key(&self, k: &CounterKey) -> String {
-        self.inner.counter_key(k)
+        self.shards[self.shard_of(k)].counter_key(k)
     }
 
     /// Whether the last call failed (the store answers "unavailable" for now).
@@ -508,7 +568,7 @@ impl RedisStore {
 
     /// Settlements waiting in the journal to be written to Redis.
     pub fn pending(&self) -> usize {
-        lock(&self.inner.debts).len()
+        self.shards.iter().map(|s| lock(&s.debts).len()).sum()
     }
 
     /// The readiness probe: one write under the namespace's tag, i.e. what a reservation
@@ -518,7 +578,19 @@ impl RedisStore {
     /// ready and only reports the outage. While the counters are being rebuilt the replica
     /// is unready in both modes (it refuses hard-bounded requests).
     pub async fn ready(&self) -> Result<(), String> {
-        let inner = &self.inner;
+        for (i, shard) in self.shards.iter().enumerate() {
+            Self::ready_shard(shard).await.map_err(|e| {
+                if self.shards.len() > 1 {
+                    format!("shard {i}: {e}")
+                } else {
+                    e
+                }
+            })?;
+        }
+        Ok(())
+    }
+
+    async fn ready_shard(inner: &Arc<Inner>) -> Result<(), String> {
         let probe = async {
             let mut c = inner.conn().await.map_err(|_| None)?;
             let mut inv = inner.probe_lua.prepare_invoke();
@@ -582,7 +654,20 @@ impl RedisStore {
                 policy.as_deref().unwrap_or("")
             ));
         }
-        let last_rebuild = lock(&i.last_rebuild).clone();
+        let last_rebuild = self
+            .shards
+            .iter()
+            .filter_map(|s| lock(&s.last_rebuild).clone())
+            .next_back();
+        let rebuilding = self
+            .shards
+            .iter()
+            .any(|s| s.rebuilding.load(Ordering::Acquire));
+        let counters = counters
+            + self.shards[1..]
+                .iter()
+                .map(|s| lock(&s.book).committed.len())
+                .sum::<usize>();
         if last_rebuild.is_some() {
             warnings.push("Redis lost the shared counters; they were rebuilt from the live replicas' journals: usage of replicas that died since may be missing".to_string());
         }
@@ -590,14 +675,15 @@ impl RedisStore {
             "backend": "redis",
             "topology": if i.cluster.load(Ordering::Acquire) { "cluster" } else { "single" },
             "namespace": i.prefix,
+            "shards": self.shards.len(),
             "available": !i.down.load(Ordering::Acquire),
             "last_error": *lock(&i.last_error),
             "maxmemory_policy": policy.as_deref().unwrap_or("not read yet"),
             "eviction_unsafe": unsafe_,
             "epoch": epoch,
-            "rebuilding": i.rebuilding.load(Ordering::Acquire),
+            "rebuilding": rebuilding,
             "last_rebuild": last_rebuild,
-            "journal": {"pending_settlements": lock(&i.debts).len(), "committed_counters": counters},
+            "journal": {"pending_settlements": self.pending(), "committed_counters": counters},
             "warnings": warnings,
         })
     }
@@ -617,26 +703,24 @@ impl RedisStore {
         metrics::gauge!(TOLLGATE_STATE_EVICTION_UNSAFE).set(0.0);
         metrics::gauge!(TOLLGATE_STATE_REBUILDING).set(0.0);
         metrics::gauge!(TOLLGATE_STATE_JOURNAL_PENDING).set(0.0);
-        let inner = self.inner.clone();
+        let shards = self.shards.clone();
         rt.spawn(async move {
             let mut next_policy = tokio::time::Instant::now();
             loop {
                 if tokio::time::Instant::now() >= next_policy {
-                    inner.check_policy().await;
+                    shards[0].check_policy().await;
                     next_policy = tokio::time::Instant::now() + every_policy;
                 }
-                let _ = inner.sync_epoch().await;
-                metrics::gauge!(TOLLGATE_STATE_REBUILDING).set(
-                    if inner.rebuilding.load(Ordering::Acquire) {
-                        1.0
-                    } else {
-                        0.0
-                    },
-                );
-                metrics::gauge!(TOLLGATE_STATE_JOURNAL_PENDING)
-                    .set(lock(&inner.debts).len() as f64);
+                let (mut rebuilding, mut pending) = (false, 0usize);
                 let now = wall_ms();
-                lock(&inner.book).committed.retain(|_, (_, e)| *e > now);
+                for inner in shards.iter() {
+                    let _ = inner.sync_epoch().await;
+                    rebuilding |= inner.rebuilding.load(Ordering::Acquire);
+                    pending += lock(&inner.debts).len();
+                    lock(&inner.book).committed.retain(|_, (_, e)| *e > now);
+                }
+                metrics::gauge!(TOLLGATE_STATE_REBUILDING).set(if rebuilding { 1.0 } else { 0.0 });
+                metrics::gauge!(TOLLGATE_STATE_JOURNAL_PENDING).set(pending as f64);
                 tokio::time::sleep(EPOCH_EVERY).await;
             }
         });
@@ -1346,6 +1430,9 @@ impl SharedCounters for RedisStore {
         _now: Millis,
     ) -> ReserveFuture<'a> {
         Box::pin(async move {
+            if self.shards.len() > 1 {
+                return self.reserve_sharded(parts, amount).await;
+            }
             Ok(match self.inner.clone().reserve(parts, amount).await? {
                 Reserved::Held(hold, committed) => SharedReply::Held {
                     hold: Box::new(hold),
@@ -1354,7 +1441,7 @@ impl SharedCounters for RedisStore {
                 Reserved::Refused(part, refusal, committed) => SharedReply::Refused {
                     part,
                     refusal,
-                    committed,
+                    committed: committed.into_iter().map(Some).collect(),
                 },
                 Reserved::Rebuilding => SharedReply::Rebuilding,
             })
@@ -1362,12 +1449,93 @@ impl SharedCounters for RedisStore {
     }
 
     fn offline_hold(&self, parts: &[SharedPart<'_>], now: Millis) -> Option<Box<dyn SharedHold>> {
-        Some(Box::new(RedisHold {
-            inner: self.inner.clone(),
-            slot: self.inner.slot(parts, Amount::ZERO, now),
-            owed: true,
-            settled: false,
-        }))
+        let holds = self
+            .by_shard(parts)
+            .into_iter()
+            .map(|(s, idx)| {
+                let inner = &self.shards[s];
+                let sub: Vec<SharedPart<'_>> = idx.iter().map(|&i| parts[i].clone()).collect();
+                RedisHold {
+                    inner: inner.clone(),
+                    slot: inner.slot(&sub, Amount::ZERO, now),
+                    owed: true,
+                    settled: false,
+                }
+            })
+            .collect();
+        Some(Box::new(ShardedHold { holds }))
+    }
+}
+
+/// The holds of one reservation spread over shards (one per shard it touched). Settling
+/// settles each; dropping it releases each.
+#[derive(Debug)]
+struct ShardedHold {
+    holds: Vec<RedisHold>,
+}
+
+impl SharedHold for ShardedHold {
+    fn settle(self: Box<Self>, actual: Amount) {
+        for h in self.holds {
+            Box::new(h).settle(actual);
+        }
+    }
+}
+
+impl RedisStore {
+    /// `parts`' indices grouped by shard, shards in ascending order.
+    fn by_shard(&self, parts: &[SharedPart<'_>]) -> Vec<(usize, Vec<usize>)> {
+        let mut m: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
+        for (i, p) in parts.iter().enumerate() {
+            m.entry(self.shard_of(p.key)).or_default().push(i);
+        }
+        m.into_iter().collect()
+    }
+
+    /// A reservation over counters in several shards (several cluster slots): taken shard
+    /// by shard, each one `reserve.lua` call (an atomic check-and-hold of that shard's
+    /// counters). When a shard refuses (or is rebuilding, or does not answer) the holds
+    /// already taken in earlier shards are released (dropped: written in the background,
+    /// journaled if Redis does not take them), so nothing stays held and no counter is ever
+    /// held past its hard bound. Meanwhile those short-lived holds may make another request
+    /// see less room than there is (refusing more, never admitting over a bound).
+    async fn reserve_sharded(
+        &self,
+        parts: &[SharedPart<'_>],
+        amount: Amount,
+    ) -> Result<SharedReply, StoreUnavailable> {
+        let mut committed: Vec<Option<Amount>> = vec![None; parts.len()];
+        let mut holds = Vec::new();
+        for (s, idx) in self.by_shard(parts) {
+            let sub: Vec<SharedPart<'_>> = idx.iter().map(|&i| parts[i].clone()).collect();
+            match self.shards[s].clone().reserve(&sub, amount).await? {
+                Reserved::Held(h, c) => {
+                    for (&i, a) in idx.iter().zip(c) {
+                        committed[i] = Some(a);
+                    }
+                    holds.push(h);
+                }
+                Reserved::Refused(part, refusal, c) => {
+                    for (&i, a) in idx.iter().zip(c) {
+                        committed[i] = Some(a);
+                    }
+                    drop(holds);
+                    return Ok(SharedReply::Refused {
+                        part: idx.get(part).copied().unwrap_or(0),
+                        refusal,
+                        committed,
+                    });
+                }
+                Reserved::Rebuilding => return Ok(SharedReply::Rebuilding),
+            }
+        }
+        Ok(SharedReply::Held {
+            hold: Box::new(ShardedHold { holds }),
+            committed: committed
+                .into_iter()
+                .map(Option::unwrap_or_default)
+                .collect(),
+        })
     }
 }
 
