@@ -3,7 +3,8 @@
 //! every dimension, hold the worst case on all of them or none) and `settle.lua` (one round
 //! trip: release the hold, commit the actual, idempotent by reservation id).
 //!
-//! Key layout (all under ONE hash tag, so a script's keys share a Redis Cluster slot):
+//! Key layout (with `state.shards: 1`, all under ONE hash tag, so a script's keys share a
+//! Redis Cluster slot):
 //!
 //! ```text
 //! {tollgate:<namespace>}:c:<scope>:<window>:<start>:<id>      HASH  ct cr cu (committed) ht hr hu (held)
@@ -14,7 +15,13 @@
 //! `<window>` is `minute|hour|day|month` with its start in Unix seconds, or `-:0` for a job
 //! counter. Keys expire by themselves (`PEXPIREAT` window end + lease + 60 s; job counters
 //! `job_idle_ttl` + lease after their last use). The single tag puts a namespace's counters
-//! on one cluster node: Cluster-safe, not sharded — one namespace's traffic is one node's.
+//! on one cluster node: one namespace's traffic is one node's (unless `state.shards` > 1).
+//!
+//! With `state.shards: N > 1` a counter goes to shard `FNV-1a(<scope>:<window>:<start>:<id>)
+//! mod N`, whose tag is `{tollgate:<namespace>:<s>}` (shard 0 keeps `{tollgate:<namespace>}`).
+//! Each shard is a full store of its own (epoch marker, flag, record, journal) over the shared
+//! connection; a reservation spanning shards is taken shard by shard and the holds already
+//! taken are released when a later shard refuses (`RedisStore::reserve_sharded`).
 //!
 //! Besides the counters: `{tollgate:<namespace>}:epoch` (STRING, no TTL) marks the counters
 //! as whole, `...:rebuilding` (STRING, a few seconds' TTL) says they are being rebuilt, and
@@ -727,7 +734,8 @@ impl RedisStore {
     }
 
     /// Reserves and returns the concrete hold (tests and benches settle it with `await`).
-    /// A store that is rebuilding its counters answers "unavailable" here.
+    /// A store that is rebuilding its counters answers "unavailable" here. Shard 0 only: for
+    /// stores with `state.shards: 1`.
     pub async fn reserve_hold(
         &self,
         parts: &[SharedPart<'_>],
