@@ -121,6 +121,9 @@ pub const CLUSTER_CALL_TIMEOUT: Duration = Duration::from_millis(2_000);
 /// In a Redis Cluster: how often one call is tried again (redirections included), and the
 /// wait before a retry after `TRYAGAIN`, `CLUSTERDOWN` or a lost node (ms, jittered).
 const CLUSTER_RETRIES: u32 = 12;
+/// In a Redis Cluster: after failing this long without an answer, the cluster connection is
+/// dropped and built again from the seeds (`state.redis_url`, `state.redis_urls`).
+const CLUSTER_RECONNECT_AFTER_MS: i64 = 30_000;
 const CLUSTER_RETRY_MIN_MS: u64 = 20;
 const CLUSTER_RETRY_MAX_MS: u64 = 250;
 
@@ -208,6 +211,8 @@ struct Inner {
     /// Wall-clock ms until which calls fail fast after a failure.
     down_until: Arc<AtomicI64>,
     down: Arc<AtomicBool>,
+    /// Wall-clock ms of the first failure since the last answer (0: answering).
+    failing_since: Arc<AtomicI64>,
     prefix: String,
     lease_ms: i64,
     job_ttl_ms: i64,
@@ -479,10 +484,11 @@ impl RedisStore {
             Arc::new(AtomicBool::new(false)),
             Arc::new(tokio::sync::Mutex::new(())),
         );
-        let (down_until, down, last_error) = (
+        let (down_until, down, last_error, failing_since) = (
             Arc::new(AtomicI64::new(0)),
             Arc::new(AtomicBool::new(false)),
             Arc::new(std::sync::Mutex::new(None)),
+            Arc::new(AtomicI64::new(0)),
         );
         let rid_prefix = format!("{:016x}", rand::random::<u64>());
         let shard = |s: usize| {
@@ -498,6 +504,7 @@ impl RedisStore {
                 connecting: connecting.clone(),
                 down_until: down_until.clone(),
                 down: down.clone(),
+                failing_since: failing_since.clone(),
                 epoch_key: format!("{prefix}:epoch"),
                 rebuild_key: format!("{prefix}:rebuilding"),
                 probe_key: format!("{prefix}:probe"),
@@ -887,7 +894,18 @@ impl Inner {
             .load()
             .as_deref()
             .is_some_and(|c| matches!(c, Conn::Cluster(_)));
-        if !cluster {
+        let now = wall_ms();
+        let since =
+            match self
+                .failing_since
+                .compare_exchange(0, now, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => now,
+                Err(v) => v,
+            };
+        // A cluster connection follows the cluster by itself; one that has failed for this
+        // long is rebuilt from the seeds (the whole cluster may have been replaced).
+        if !cluster || now - since > CLUSTER_RECONNECT_AFTER_MS {
             self.conn.store(None);
         }
         // A cluster's refusal (TRYAGAIN, CLUSTERDOWN... after the client's own retries) is
@@ -923,6 +941,9 @@ impl Inner {
     }
 
     fn answered(&self) {
+        if self.failing_since.load(Ordering::Acquire) != 0 {
+            self.failing_since.store(0, Ordering::Release);
+        }
         if self.down.swap(false, Ordering::AcqRel) {
             tracing::info!("state: Redis answers again; counters are shared again");
         }
