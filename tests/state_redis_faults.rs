@@ -551,29 +551,48 @@ async fn the_reserve_script_holds_a_reservation_id_once() {
     common::redis_keys::delete_prefix(url, &p).await;
 }
 
-/// (c'') A Redis Cluster node that does not own the namespace's slot answers PING but every
-/// reservation gets `MOVED` (tollgate has no cluster client): /readyz is 503 and names
-/// `MOVED`, requests get 503 `STATE_UNAVAILABLE`.
+/// (c'') A Redis Cluster node that does not own the namespace's slot answers `MOVED` to a
+/// plain client; tollgate detects the cluster (`INFO cluster`) and uses the cluster client:
+/// /readyz is 200, requests are served and counted on the owning node, status says
+/// `topology: cluster`. (Before cluster support this was 503 naming `MOVED`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn readyz_is_503_and_names_moved_on_a_cluster_node_without_the_slot() {
+async fn a_cluster_node_without_the_slot_serves_through_the_cluster_client() {
     let up = MockUpstream::start_with_default(vec![], ok_answer()).await;
     let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let (pa, pb) = (free_port(), free_port());
-    let cluster = [
-        "--cluster-enabled",
-        "yes",
-        "--cluster-config-file",
-        "nodes.conf",
-    ];
-    let _a = redis_server(pa, da.path(), &cluster).await;
-    let _b = redis_server(pb, db.path(), &cluster).await;
+    let (ba, bb) = (free_port(), free_port());
+    let cluster = |bus: u16| {
+        [
+            "--cluster-enabled".to_string(),
+            "yes".to_string(),
+            "--cluster-config-file".to_string(),
+            "nodes.conf".to_string(),
+            "--cluster-port".to_string(),
+            bus.to_string(),
+        ]
+    };
+    let (ca, cb) = (cluster(ba), cluster(bb));
+    let ca: Vec<&str> = ca.iter().map(String::as_str).collect();
+    let cb: Vec<&str> = cb.iter().map(String::as_str).collect();
+    let _a = redis_server(pa, da.path(), &ca).await;
+    let _b = redis_server(pb, db.path(), &cb).await;
     let (ua, ub) = (
         format!("redis://127.0.0.1:{pa}/"),
         format!("redis://127.0.0.1:{pb}/"),
     );
     // Every slot on b; a learns it by gossip.
     let _: () = redis_cmd(&ub, &["CLUSTER", "ADDSLOTSRANGE", "0", "16383"]).await;
-    let _: () = redis_cmd(&ua, &["CLUSTER", "MEET", "127.0.0.1", &pb.to_string()]).await;
+    let _: () = redis_cmd(
+        &ua,
+        &[
+            "CLUSTER",
+            "MEET",
+            "127.0.0.1",
+            &pb.to_string(),
+            &bb.to_string(),
+        ],
+    )
+    .await;
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
         let nodes: String = redis_cmd(&ua, &["CLUSTER", "NODES"]).await;
@@ -584,17 +603,31 @@ async fn readyz_is_503_and_names_moved_on_a_cluster_node_without_the_slot() {
         assert!(Instant::now() < deadline, "cluster did not form: {nodes}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let pong: String = redis_cmd(&ua, &["PING"]).await;
-    assert_eq!(pong, "PONG", "PING answers on the wrong node");
+    let n = ns("moved");
+    let mut plain = common::redis_keys::conn(&ua).await;
+    let moved: Result<Option<String>, _> = redis::cmd("GET")
+        .arg(format!("{{tollgate:{n}}}:epoch"))
+        .query_async(&mut plain)
+        .await;
+    assert_eq!(
+        moved.unwrap_err().code(),
+        Some("MOVED"),
+        "a does not own the slot"
+    );
     let bounds =
         "quotas:\n  - {name: q, scope: consumer, match: \"*\", window: day, limit_requests: 1000}";
-    let r = Replica::start(&up.base_url(), &ua, &ns("moved"), "", bounds, &[]).await;
+    let r = Replica::start(&up.base_url(), &ua, &n, "", bounds, &[]).await;
     let (status, body) = r.readyz().await;
-    assert_eq!(status, 503, "{body}");
-    assert!(body.contains("MOVED"), "{body}");
-    assert_eq!(r.chat().await, (503, "STATE_UNAVAILABLE".into()));
-    assert!(r.log().contains("MOVED"), "{}", r.log());
-    assert!(!r.log().contains("does not answer"), "{}", r.log());
+    assert_eq!(status, 200, "{body}\n{}", r.log());
+    assert_eq!(r.chat().await, (200, "OK".into()));
+    assert_eq!(r.chat().await, (200, "OK".into()));
+    let [cr] = sums_until(&ub, &n, "consumer", ["cr"], [2], 10).await;
+    assert_eq!(cr, 2, "counted on the owning node");
+    assert_eq!(r.status().await["state"]["topology"], "cluster");
+    assert!(r.log().contains("Redis is a cluster"), "{}", r.log());
+    let log = r.log();
+    assert!(!log.contains("Redis refuses tollgate's calls"), "{log}");
+    assert!(!log.contains("does not answer"), "{log}");
 }
 
 /// A TCP proxy to a local port that the test can cut: every open connection is dropped and

@@ -98,7 +98,11 @@ impl Governor {
                 refusal,
                 committed,
             }) => {
-                mirror(&committed);
+                for (&i, c) in idx.iter().zip(&committed) {
+                    if let Some(c) = c {
+                        all[i].counter.mirror_committed(c);
+                    }
+                }
                 Err(ReserveError::Refused(Refusal {
                     part: idx[part],
                     refusal,
@@ -196,7 +200,7 @@ mod tests {
                         used: 10,
                         hard: 10,
                     },
-                    committed,
+                    committed: committed.into_iter().map(Some).collect(),
                 }),
                 Answer::Down => Err(StoreUnavailable),
             };

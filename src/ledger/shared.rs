@@ -28,10 +28,12 @@ pub enum SharedReply {
         committed: Vec<Amount>,
     },
     /// Nothing held: part `part` (input order) would cross its hard limit in one dimension.
+    /// `committed` is each counter's committed total (input order) where the store read it
+    /// (`None`: not read, e.g. a shard the reservation did not reach).
     Refused {
         part: usize,
         refusal: DimRefusal,
-        committed: Vec<Amount>,
+        committed: Vec<Option<Amount>>,
     },
     /// Nothing held: the store lost its counters (its epoch marker is gone) and they are
     /// being rebuilt from the replicas' journals; no hard bound can be judged until then.

@@ -286,6 +286,8 @@ pub struct RawState {
     pub backend: Option<String>,
     pub path: Option<String>,
     pub redis_url: Option<String>,
+    pub redis_urls: Option<Vec<String>>,
+    pub shards: Option<u32>,
     pub job_idle_ttl: Option<RawDuration>,
     pub on_unavailable: Option<String>,
     pub flush_interval: Option<RawDuration>,

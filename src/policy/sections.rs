@@ -237,6 +237,33 @@ impl V<'_> {
             }
             _ => (),
         }
+        let redis_urls: Vec<String> = get!(m.state, redis_urls)
+            .map(|v| v.iter().map(|s| s.trim().to_owned()).collect())
+            .unwrap_or_default();
+        if !redis_urls.is_empty() && redis_url.is_none() {
+            self.err::<()>(
+                f,
+                "state.redis_urls",
+                "needs state.redis_url (the extra seeds come after it)",
+            );
+        }
+        if redis_urls.len() > 64 {
+            self.err::<()>(f, "state.redis_urls", "must name at most 64 seed nodes");
+        }
+        for (i, u) in redis_urls.iter().enumerate() {
+            if !(u.starts_with("redis://") || u.starts_with("rediss://")) {
+                // Never echo the URL (it may hold a password).
+                self.err::<()>(
+                    f,
+                    &format!("state.redis_urls[{i}]"),
+                    "must be a redis:// or rediss:// URL",
+                );
+            }
+        }
+        let shards = self.nonzero(f, "state.shards".into(), get!(m.state, shards), 1);
+        if shards > 64 {
+            self.err::<()>(f, "state.shards", "must be at most 64");
+        }
         let path = match get!(m.state, path) {
             Some(s) => self.required(f, "state.path".into(), Some(s)),
             None => DEFAULT_STATE_PATH.to_owned(),
@@ -311,6 +338,8 @@ impl V<'_> {
             backend,
             path,
             redis_url,
+            redis_urls,
+            shards,
             job_idle_ttl,
             on_unavailable,
             flush_interval,

@@ -165,7 +165,7 @@ rate_limits:
   - {name: rpm, scope: consumer, match: bob, window: minute, limit_requests: 60}
 budgets:
   - {name: b, scope: consumer, window: day, hard_requests: 100, soft_tokens: 50}
-state: {backend: redis, redis_url: 'redis://r:6379', job_idle_ttl: 90m, on_unavailable: local,
+state: {backend: redis, redis_url: 'redis://r:6379', redis_urls: ['redis://r2:6379'], job_idle_ttl: 90m, on_unavailable: local,
         lease: 200s, flush_interval: 200ms, namespace: team-a}
 audit: {sink: postgres, postgres_url: 'postgres://db/x', queue: 16}
 ";
@@ -177,6 +177,7 @@ audit: {sink: postgres, postgres_url: 'postgres://db/x', queue: 16}
     assert_eq!(p.bounds[0].hard.requests, Some(60));
     assert_eq!(p.bounds[1].soft.tokens, Some(50));
     assert_eq!(p.state.redis_url.as_deref(), Some("redis://r:6379"));
+    assert_eq!(p.state.redis_urls, vec!["redis://r2:6379".to_string()]);
     assert_eq!(p.state.job_idle_ttl, Duration::from_secs(5400));
     assert_eq!(p.state.on_unavailable, OnUnavailable::Local);
     assert_eq!(p.state.lease, Duration::from_secs(200));
@@ -247,6 +248,10 @@ fn validation_errors() {
         (format!("{m}windows: {{timezone: Mars/Olympus}}\n"), "windows.timezone", 9, "unknown IANA time zone"),
         (format!("{m}estimate: {{tokenizer: gpt2}}\n"), "estimate.tokenizer", 9, "expected one of o200k, cl100k, chars"),
         (format!("{m}state: {{backend: redis}}\n"), "state.redis_url", 9, "required when state.backend is redis"),
+        (format!("{m}state: {{backend: redis, redis_url: 'redis://a', redis_urls: ['redis://b', 'http://c']}}\n"), "state.redis_urls[1]", 9, "redis:// or rediss://"),
+        (format!("{m}state: {{redis_urls: ['redis://b']}}\n"), "state.redis_urls", 9, "needs state.redis_url"),
+        (format!("{m}state: {{shards: 0}}\n"), "state.shards", 9, "greater than zero"),
+        (format!("{m}state: {{shards: 65}}\n"), "state.shards", 9, "at most 64"),
         (format!("{m}state: {{backend: etcd}}\n"), "state.backend", 9, "expected one of memory, sqlite, redis"),
         (format!("{m}state: {{on_unavailable: maybe}}\n"), "state.on_unavailable", 9, "expected one of deny, local"),
         (format!("{m}state: {{flush_interval: 0s}}\n"), "state.flush_interval", 9, "longer than zero"),

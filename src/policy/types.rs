@@ -460,6 +460,11 @@ pub struct StateCfg {
     pub backend: StateBackend,
     pub path: String,
     pub redis_url: Option<String>,
+    /// Redis Cluster: more seed nodes besides `redis_url` (empty: none).
+    pub redis_urls: Vec<String>,
+    /// Redis: how many shards (hash tags, so cluster slots) a namespace's counters are
+    /// spread over; 1 keeps them all under `{tollgate:<namespace>}`.
+    pub shards: u32,
     /// How long a job ledger lives after its last use.
     pub job_idle_ttl: Duration,
     /// What a request meets when the shared store (Redis) does not answer.

@@ -3,7 +3,8 @@
 //! every dimension, hold the worst case on all of them or none) and `settle.lua` (one round
 //! trip: release the hold, commit the actual, idempotent by reservation id).
 //!
-//! Key layout (all under ONE hash tag, so a script's keys share a Redis Cluster slot):
+//! Key layout (with `state.shards: 1`, all under ONE hash tag, so a script's keys share a
+//! Redis Cluster slot):
 //!
 //! ```text
 //! {tollgate:<namespace>}:c:<scope>:<window>:<start>:<id>      HASH  ct cr cu (committed) ht hr hu (held)
@@ -14,7 +15,13 @@
 //! `<window>` is `minute|hour|day|month` with its start in Unix seconds, or `-:0` for a job
 //! counter. Keys expire by themselves (`PEXPIREAT` window end + lease + 60 s; job counters
 //! `job_idle_ttl` + lease after their last use). The single tag puts a namespace's counters
-//! on one cluster node: Cluster-safe, not sharded — one namespace's traffic is one node's.
+//! on one cluster node: one namespace's traffic is one node's (unless `state.shards` > 1).
+//!
+//! With `state.shards: N > 1` a counter goes to shard `FNV-1a(<scope>:<window>:<start>:<id>)
+//! mod N`, whose tag is `{tollgate:<namespace>:<s>}` (shard 0 keeps `{tollgate:<namespace>}`).
+//! Each shard is a full store of its own (epoch marker, flag, record, journal) over the shared
+//! connection; a reservation spanning shards is taken shard by shard and the holds already
+//! taken are released when a later shard refuses (`RedisStore::reserve_sharded`).
 //!
 //! Besides the counters: `{tollgate:<namespace>}:epoch` (STRING, no TTL) marks the counters
 //! as whole, `...:rebuilding` (STRING, a few seconds' TTL) says they are being rebuilt, and
@@ -36,6 +43,14 @@
 //! made in an older epoch is refused by the script and is never replayed: its usage is in
 //! the record the rebuild applied. See docs/scale-out.md for the argument.
 //!
+//! **Cluster.** At connect the first seed that answers (`state.redis_url`, then
+//! `state.redis_urls`) is asked `INFO cluster`; on `cluster_enabled:1` every call goes through
+//! the `redis` crate's cluster client (`Conn::Cluster`), which follows `MOVED`/`ASK`, waits
+//! out `TRYAGAIN`/`CLUSTERDOWN` (retries 20–250 ms apart, at most [`CLUSTER_CALL_TIMEOUT`] per
+//! call) and refreshes its slot map after a failover. Both scripts are idempotent by
+//! reservation id, so the client's retries never hold or count twice. `CONFIG GET
+//! maxmemory-policy` goes to every master.
+//!
 //! When Redis does not answer (connect or response timeout: 500 ms), the store reports
 //! [`StoreUnavailable`] and stops trying for one second; the governor then follows
 //! `state.on_unavailable`. The next attempt after that second reconnects. In `local` mode the
@@ -51,6 +66,8 @@ use crate::policy::{OnUnavailable, StateCfg};
 use crate::units::{Amount, Dim, Millis};
 use arc_swap::ArcSwapOption;
 use redis::aio::MultiplexedConnection;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
 use redis::{AsyncConnectionConfig, Script};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
@@ -94,8 +111,70 @@ pub const POLICY_EVERY: Duration = Duration::from_secs(60);
 /// Most counters in the record of what this replica committed in the windows in force.
 const MAX_BOOK: usize = 100_000;
 
-/// Connect and response timeout for every Redis call.
+/// Most shards a namespace's counters are spread over (`state.shards`).
+pub const MAX_SHARDS: usize = 64;
+/// Connect and response timeout for every Redis call (in a cluster: for each node's answer).
 pub const REDIS_TIMEOUT: Duration = Duration::from_millis(500);
+/// In a Redis Cluster: the most one call may take, redirections (`MOVED`, `ASK`) and waits
+/// on `TRYAGAIN` / `CLUSTERDOWN` (slot migration, failover) included.
+pub const CLUSTER_CALL_TIMEOUT: Duration = Duration::from_millis(2_000);
+/// In a Redis Cluster: how often one call is tried again (redirections included), and the
+/// wait before a retry after `TRYAGAIN`, `CLUSTERDOWN` or a lost node (ms, jittered).
+const CLUSTER_RETRIES: u32 = 12;
+/// In a Redis Cluster: after failing this long without an answer, the cluster connection is
+/// dropped and built again from the seeds (`state.redis_url`, `state.redis_urls`).
+const CLUSTER_RECONNECT_AFTER_MS: i64 = 30_000;
+const CLUSTER_RETRY_MIN_MS: u64 = 20;
+const CLUSTER_RETRY_MAX_MS: u64 = 250;
+
+/// A connection to a single Redis or to a Redis Cluster (`redis` crate's cluster client:
+/// it follows `MOVED`/`ASK`, waits out `TRYAGAIN`, refreshes its slot map on failover).
+/// Scripts run through either (`Script::invoke_async` routes by the first key's slot).
+#[derive(Clone)]
+enum Conn {
+    Single(MultiplexedConnection),
+    Cluster(ClusterConnection),
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Conn::Single(_) => "Conn::Single",
+            Conn::Cluster(_) => "Conn::Cluster",
+        })
+    }
+}
+
+impl redis::aio::ConnectionLike for Conn {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
 /// After a failure, calls are answered "unavailable" without trying for this long.
 pub const RETRY_AFTER_FAILURE_MS: i64 = 1000;
 /// Extra life of a window's keys past the window end (plus the lease).
@@ -113,17 +192,27 @@ fn wall_ms() -> Millis {
 /// A Redis-backed shared counter store. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct RedisStore {
+    /// The first shard (`{tollgate:<namespace>}`, the whole store when `state.shards` is 1).
     inner: Arc<Inner>,
+    /// Every shard, the first included; they share one connection. Shard `s > 0` keeps its
+    /// keys under `{tollgate:<namespace>:<s>}`, with its own epoch marker, rebuilding flag,
+    /// record and journal (all of a shard's keys share one cluster slot).
+    shards: Arc<[Arc<Inner>]>,
 }
 
 #[derive(Debug)]
 struct Inner {
-    client: redis::Client,
-    conn: ArcSwapOption<MultiplexedConnection>,
-    connecting: tokio::sync::Mutex<()>,
+    /// `state.redis_url` first, then `state.redis_urls` (extra cluster seed nodes).
+    clients: Arc<Vec<redis::Client>>,
+    conn: Arc<ArcSwapOption<Conn>>,
+    /// The Redis answered `cluster_enabled:1` at the last connect.
+    cluster: Arc<AtomicBool>,
+    connecting: Arc<tokio::sync::Mutex<()>>,
     /// Wall-clock ms until which calls fail fast after a failure.
-    down_until: AtomicI64,
-    down: AtomicBool,
+    down_until: Arc<AtomicI64>,
+    down: Arc<AtomicBool>,
+    /// Wall-clock ms of the first failure since the last answer (0: answering).
+    failing_since: Arc<AtomicI64>,
     prefix: String,
     lease_ms: i64,
     job_ttl_ms: i64,
@@ -149,7 +238,7 @@ struct Inner {
     /// A rebuild of this replica's share is pending (mirror of `Book::pending`).
     rebuilding: AtomicBool,
     /// What the last failure was, named as Redis named it (for logs, /readyz, status).
-    last_error: std::sync::Mutex<Option<String>>,
+    last_error: Arc<std::sync::Mutex<Option<String>>>,
     /// `maxmemory-policy` as last read (`unknown` when CONFIG is refused).
     eviction: std::sync::Mutex<Option<String>>,
     /// When this replica last rebuilt its share, and how much (for status).
@@ -249,7 +338,7 @@ pub fn describe(e: &redis::RedisError) -> String {
         let detail: String = e.detail().unwrap_or("").chars().take(160).collect();
         let what = match code {
             "MOVED" | "ASK" => {
-                "this node does not own the namespace's slot; tollgate has no Redis Cluster client: point state.redis_url at the owning node or a non-cluster Redis"
+                "the namespace's slot is on another cluster node and the cluster client could not follow it (slot map changing, or the node was not a cluster node when tollgate connected)"
             }
             "OOM" => "Redis is out of memory (maxmemory reached)",
             "NOAUTH" | "WRONGPASS" => "Redis wants authentication: put the password in state.redis_url",
@@ -275,6 +364,26 @@ pub fn describe(e: &redis::RedisError) -> String {
     } else {
         e.category().to_string()
     }
+}
+
+/// The least safe `maxmemory-policy` among a cluster's masters' `CONFIG GET` answers (a map
+/// node -> answer); `None` when no master answered it.
+fn cluster_policy(v: redis::Value) -> Option<String> {
+    let redis::Value::Map(nodes) = v else {
+        return None;
+    };
+    let mut seen: Option<String> = None;
+    for (_, answer) in nodes {
+        let Ok(pair) = redis::from_redis_value::<Vec<String>>(answer) else {
+            continue;
+        };
+        let Some(p) = pair.get(1) else { continue };
+        let p: String = p.chars().take(64).collect();
+        if seen.as_deref().is_none_or(|s| s == "noeviction") {
+            seen = Some(p);
+        }
+    }
+    seen
 }
 
 /// Whether the call's reply may simply have been lost (the script may have run).
@@ -317,12 +426,15 @@ impl RedisStore {
             .redis_url
             .as_deref()
             .ok_or_else(|| super::StateError("state.redis_url is not set".into()))?;
-        Self::with(
-            url,
+        let mut urls = vec![url];
+        urls.extend(cfg.redis_urls.iter().map(String::as_str));
+        Self::with_seeds(
+            &urls,
             &cfg.namespace,
             cfg.lease,
             cfg.job_idle_ttl,
             cfg.on_unavailable,
+            cfg.shards as usize,
         )
     }
 
@@ -333,18 +445,66 @@ impl RedisStore {
         job_idle_ttl: Duration,
         on_unavailable: OnUnavailable,
     ) -> Result<RedisStore, super::StateError> {
-        // The URL may hold a password: never echo it.
-        let client = redis::Client::open(url).map_err(|e| {
-            super::StateError(format!("state.redis_url is not usable: {:?}", e.kind()))
-        })?;
-        let prefix = format!("{{tollgate:{namespace}}}");
-        Ok(RedisStore {
-            inner: Arc::new(Inner {
-                client,
-                conn: ArcSwapOption::empty(),
-                connecting: tokio::sync::Mutex::new(()),
-                down_until: AtomicI64::new(0),
-                down: AtomicBool::new(false),
+        Self::with_seeds(&[url], namespace, lease, job_idle_ttl, on_unavailable, 1)
+    }
+
+    /// As [`RedisStore::with`], with more seed nodes: `urls[0]` is `state.redis_url`, the
+    /// rest `state.redis_urls`. The first that answers says whether Redis is a cluster
+    /// (`INFO cluster`); a cluster is reached through every seed, a single Redis only
+    /// through `urls[0]`.
+    pub fn with_seeds(
+        urls: &[&str],
+        namespace: &str,
+        lease: Duration,
+        job_idle_ttl: Duration,
+        on_unavailable: OnUnavailable,
+        shards: usize,
+    ) -> Result<RedisStore, super::StateError> {
+        if urls.is_empty() {
+            return Err(super::StateError("state.redis_url is not set".into()));
+        }
+        // A URL may hold a password: never echo it.
+        let clients = urls
+            .iter()
+            .enumerate()
+            .map(|(i, url)| {
+                redis::Client::open(*url).map_err(|e| {
+                    let key = if i == 0 {
+                        "state.redis_url".to_string()
+                    } else {
+                        format!("state.redis_urls[{}]", i - 1)
+                    };
+                    super::StateError(format!("{key} is not usable: {:?}", e.kind()))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let (clients, conn, cluster, connecting) = (
+            Arc::new(clients),
+            Arc::new(ArcSwapOption::empty()),
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(tokio::sync::Mutex::new(())),
+        );
+        let (down_until, down, last_error, failing_since) = (
+            Arc::new(AtomicI64::new(0)),
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(std::sync::Mutex::new(None)),
+            Arc::new(AtomicI64::new(0)),
+        );
+        let rid_prefix = format!("{:016x}", rand::random::<u64>());
+        let shard = |s: usize| {
+            let prefix = if s == 0 {
+                format!("{{tollgate:{namespace}}}")
+            } else {
+                format!("{{tollgate:{namespace}:{s}}}")
+            };
+            Arc::new(Inner {
+                clients: clients.clone(),
+                conn: conn.clone(),
+                cluster: cluster.clone(),
+                connecting: connecting.clone(),
+                down_until: down_until.clone(),
+                down: down.clone(),
+                failing_since: failing_since.clone(),
                 epoch_key: format!("{prefix}:epoch"),
                 rebuild_key: format!("{prefix}:rebuilding"),
                 probe_key: format!("{prefix}:probe"),
@@ -352,7 +512,12 @@ impl RedisStore {
                 lease_ms: lease.as_millis().min(i64::MAX as u128) as i64,
                 job_ttl_ms: job_idle_ttl.as_millis().min(i64::MAX as u128) as i64,
                 on_unavailable,
-                rid_prefix: format!("{:016x}", rand::random::<u64>()),
+                // One id space per shard (a reservation id names its shard).
+                rid_prefix: if s == 0 {
+                    rid_prefix.clone()
+                } else {
+                    format!("{rid_prefix}s{s}")
+                },
                 seq: AtomicU64::new(0),
                 reserve: Script::new(RESERVE_LUA),
                 settle: Script::new(SETTLE_LUA),
@@ -363,11 +528,41 @@ impl RedisStore {
                 book: std::sync::Mutex::new(Book::default()),
                 syncing: tokio::sync::Mutex::new(()),
                 rebuilding: AtomicBool::new(false),
-                last_error: std::sync::Mutex::new(None),
+                last_error: last_error.clone(),
                 eviction: std::sync::Mutex::new(None),
                 last_rebuild: std::sync::Mutex::new(None),
-            }),
+            })
+        };
+        let shards: Arc<[Arc<Inner>]> = (0..shards.clamp(1, MAX_SHARDS)).map(shard).collect();
+        Ok(RedisStore {
+            inner: shards[0].clone(),
+            shards,
         })
+    }
+
+    /// How many shards the counters are spread over (`state.shards`).
+    pub fn shards(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// The shard of counter `k`: a stable hash (FNV-1a) of its scope, window and id, so
+    /// every replica puts it in the same shard.
+    fn shard_of(&self, k: &CounterKey) -> usize {
+        let n = self.shards.len();
+        if n <= 1 {
+            return 0;
+        }
+        let (w, s) = match k.window {
+            Some(w) => (w.window.as_str(), w.start),
+            None => ("-", 0),
+        };
+        let text = format!("{}:{}:{}:{}", k.scope.as_str(), w, s, k.id);
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in text.bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        (h % n as u64) as usize
     }
 
     /// The hash tag every key of this store starts with.
@@ -377,7 +572,7 @@ impl RedisStore {
 
     /// The Redis key of a counter's hash (its holds and settled ids add `:l` and `:s`).
     pub fn counter_key(&self, k: &CounterKey) -> String {
-        self.inner.counter_key(k)
+        self.shards[self.shard_of(k)].counter_key(k)
     }
 
     /// Whether the last call failed (the store answers "unavailable" for now).
@@ -387,7 +582,7 @@ impl RedisStore {
 
     /// Settlements waiting in the journal to be written to Redis.
     pub fn pending(&self) -> usize {
-        lock(&self.inner.debts).len()
+        self.shards.iter().map(|s| lock(&s.debts).len()).sum()
     }
 
     /// The readiness probe: one write under the namespace's tag, i.e. what a reservation
@@ -397,7 +592,19 @@ impl RedisStore {
     /// ready and only reports the outage. While the counters are being rebuilt the replica
     /// is unready in both modes (it refuses hard-bounded requests).
     pub async fn ready(&self) -> Result<(), String> {
-        let inner = &self.inner;
+        for (i, shard) in self.shards.iter().enumerate() {
+            Self::ready_shard(shard).await.map_err(|e| {
+                if self.shards.len() > 1 {
+                    format!("shard {i}: {e}")
+                } else {
+                    e
+                }
+            })?;
+        }
+        Ok(())
+    }
+
+    async fn ready_shard(inner: &Arc<Inner>) -> Result<(), String> {
         let probe = async {
             let mut c = inner.conn().await.map_err(|_| None)?;
             let mut inv = inner.probe_lua.prepare_invoke();
@@ -461,21 +668,36 @@ impl RedisStore {
                 policy.as_deref().unwrap_or("")
             ));
         }
-        let last_rebuild = lock(&i.last_rebuild).clone();
+        let last_rebuild = self
+            .shards
+            .iter()
+            .filter_map(|s| lock(&s.last_rebuild).clone())
+            .next_back();
+        let rebuilding = self
+            .shards
+            .iter()
+            .any(|s| s.rebuilding.load(Ordering::Acquire));
+        let counters = counters
+            + self.shards[1..]
+                .iter()
+                .map(|s| lock(&s.book).committed.len())
+                .sum::<usize>();
         if last_rebuild.is_some() {
             warnings.push("Redis lost the shared counters; they were rebuilt from the live replicas' journals: usage of replicas that died since may be missing".to_string());
         }
         serde_json::json!({
             "backend": "redis",
+            "topology": if i.cluster.load(Ordering::Acquire) { "cluster" } else { "single" },
             "namespace": i.prefix,
+            "shards": self.shards.len(),
             "available": !i.down.load(Ordering::Acquire),
             "last_error": *lock(&i.last_error),
             "maxmemory_policy": policy.as_deref().unwrap_or("not read yet"),
             "eviction_unsafe": unsafe_,
             "epoch": epoch,
-            "rebuilding": i.rebuilding.load(Ordering::Acquire),
+            "rebuilding": rebuilding,
             "last_rebuild": last_rebuild,
-            "journal": {"pending_settlements": lock(&i.debts).len(), "committed_counters": counters},
+            "journal": {"pending_settlements": self.pending(), "committed_counters": counters},
             "warnings": warnings,
         })
     }
@@ -495,33 +717,32 @@ impl RedisStore {
         metrics::gauge!(TOLLGATE_STATE_EVICTION_UNSAFE).set(0.0);
         metrics::gauge!(TOLLGATE_STATE_REBUILDING).set(0.0);
         metrics::gauge!(TOLLGATE_STATE_JOURNAL_PENDING).set(0.0);
-        let inner = self.inner.clone();
+        let shards = self.shards.clone();
         rt.spawn(async move {
             let mut next_policy = tokio::time::Instant::now();
             loop {
                 if tokio::time::Instant::now() >= next_policy {
-                    inner.check_policy().await;
+                    shards[0].check_policy().await;
                     next_policy = tokio::time::Instant::now() + every_policy;
                 }
-                let _ = inner.sync_epoch().await;
-                metrics::gauge!(TOLLGATE_STATE_REBUILDING).set(
-                    if inner.rebuilding.load(Ordering::Acquire) {
-                        1.0
-                    } else {
-                        0.0
-                    },
-                );
-                metrics::gauge!(TOLLGATE_STATE_JOURNAL_PENDING)
-                    .set(lock(&inner.debts).len() as f64);
+                let (mut rebuilding, mut pending) = (false, 0usize);
                 let now = wall_ms();
-                lock(&inner.book).committed.retain(|_, (_, e)| *e > now);
+                for inner in shards.iter() {
+                    let _ = inner.sync_epoch().await;
+                    rebuilding |= inner.rebuilding.load(Ordering::Acquire);
+                    pending += lock(&inner.debts).len();
+                    lock(&inner.book).committed.retain(|_, (_, e)| *e > now);
+                }
+                metrics::gauge!(TOLLGATE_STATE_REBUILDING).set(if rebuilding { 1.0 } else { 0.0 });
+                metrics::gauge!(TOLLGATE_STATE_JOURNAL_PENDING).set(pending as f64);
                 tokio::time::sleep(EPOCH_EVERY).await;
             }
         });
     }
 
     /// Reserves and returns the concrete hold (tests and benches settle it with `await`).
-    /// A store that is rebuilding its counters answers "unavailable" here.
+    /// A store that is rebuilding its counters answers "unavailable" here. Shard 0 only: for
+    /// stores with `state.shards: 1`.
     pub async fn reserve_hold(
         &self,
         parts: &[SharedPart<'_>],
@@ -634,19 +855,27 @@ impl Inner {
         )
     }
 
-    async fn conn(&self) -> Result<MultiplexedConnection, StoreUnavailable> {
+    async fn conn(&self) -> Result<Conn, StoreUnavailable> {
+        let now = wall_ms();
         if let Some(c) = self.conn.load_full() {
+            // A cluster connection is kept across failures (it reconnects to the nodes by
+            // itself); it fails fast for a second after a node did not answer.
+            if matches!(*c, Conn::Cluster(_)) && now < self.down_until.load(Ordering::Acquire) {
+                return Err(StoreUnavailable);
+            }
             return Ok((*c).clone());
         }
-        let now = wall_ms();
         if now < self.down_until.load(Ordering::Acquire) {
             return Err(StoreUnavailable);
         }
         self.connect().await
     }
 
-    /// Connects now (even inside the fail-fast second: a lost reply's one retry).
-    async fn connect(&self) -> Result<MultiplexedConnection, StoreUnavailable> {
+    /// Connects now (even inside the fail-fast second: a lost reply's one retry). The first
+    /// seed that answers says, through `INFO cluster`, whether this is a Redis Cluster; then
+    /// the cluster client is built over every seed. A non-cluster Redis is used only when it
+    /// is `state.redis_url` (the extra seeds are for a cluster).
+    async fn connect(&self) -> Result<Conn, StoreUnavailable> {
         let _g = self.connecting.lock().await;
         if let Some(c) = self.conn.load_full() {
             return Ok((*c).clone());
@@ -654,28 +883,120 @@ impl Inner {
         let cfg = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(REDIS_TIMEOUT))
             .set_response_timeout(Some(REDIS_TIMEOUT));
-        match self
-            .client
-            .get_multiplexed_async_connection_with_config(&cfg)
-            .await
-        {
-            Ok(c) => {
-                self.conn.store(Some(Arc::new(c.clone())));
-                Ok(c)
+        let mut last: Option<redis::RedisError> = None;
+        for (i, client) in self.clients.iter().enumerate() {
+            let mut c = match client
+                .get_multiplexed_async_connection_with_config(&cfg)
+                .await
+            {
+                Ok(c) => c,
+                Err(e) => {
+                    last = Some(e);
+                    continue;
+                }
+            };
+            let info: Result<String, _> =
+                redis::cmd("INFO").arg("cluster").query_async(&mut c).await;
+            let cluster = match info {
+                Ok(text) => text.lines().any(|l| l.trim() == "cluster_enabled:1"),
+                // INFO refused (ACL, renamed): not a cluster as far as tollgate can tell.
+                Err(e) if e.code().is_some() => false,
+                Err(e) => {
+                    last = Some(e);
+                    continue;
+                }
+            };
+            let conn = if cluster {
+                match self.cluster_connect().await {
+                    Ok(cc) => Conn::Cluster(cc),
+                    Err(e) => {
+                        last = Some(e);
+                        break;
+                    }
+                }
+            } else if i == 0 {
+                Conn::Single(c)
+            } else {
+                tracing::warn!(
+                    seed = i - 1,
+                    "state: state.redis_urls[{}] is not a Redis Cluster node; the extra seeds are for a cluster, ignored",
+                    i - 1
+                );
+                continue;
+            };
+            if cluster && !self.cluster.swap(true, Ordering::AcqRel) {
+                tracing::info!(
+                    seeds = self.clients.len(),
+                    "state: Redis is a cluster (cluster_enabled:1): using the cluster client (MOVED, ASK, TRYAGAIN and failover are followed)"
+                );
+            } else if !cluster {
+                self.cluster.store(false, Ordering::Release);
             }
-            Err(e) => {
-                self.failed(&e);
-                Err(StoreUnavailable)
-            }
+            self.conn.store(Some(Arc::new(conn.clone())));
+            return Ok(conn);
         }
+        match last {
+            Some(e) => self.failed(&e),
+            None => self
+                .down_until
+                .store(wall_ms() + RETRY_AFTER_FAILURE_MS, Ordering::Release),
+        }
+        Err(StoreUnavailable)
+    }
+
+    /// The cluster client over every seed, with tollgate's timeouts and a short retry wait.
+    async fn cluster_connect(&self) -> Result<ClusterConnection, redis::RedisError> {
+        let seeds: Vec<redis::ConnectionInfo> = self
+            .clients
+            .iter()
+            .map(|c| c.get_connection_info().clone())
+            .collect();
+        let client = redis::cluster::ClusterClientBuilder::new(seeds)
+            .connection_timeout(REDIS_TIMEOUT)
+            .response_timeout(REDIS_TIMEOUT)
+            .overall_response_timeout(Some(CLUSTER_CALL_TIMEOUT))
+            .retries(CLUSTER_RETRIES)
+            .min_retry_wait(CLUSTER_RETRY_MIN_MS)
+            .max_retry_wait(CLUSTER_RETRY_MAX_MS)
+            .build()?;
+        tokio::time::timeout(CLUSTER_CALL_TIMEOUT, client.get_async_connection())
+            .await
+            .unwrap_or_else(|_| {
+                Err(redis::RedisError::from(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "cluster connect",
+                )))
+            })
     }
 
     /// Marks Redis down: drop the connection, fail fast for a second, say so (once per
     /// outage, and again when the error changes), naming the error as Redis named it.
     fn failed(&self, e: &redis::RedisError) {
-        self.conn.store(None);
-        self.down_until
-            .store(wall_ms() + RETRY_AFTER_FAILURE_MS, Ordering::Release);
+        let cluster = self
+            .conn
+            .load()
+            .as_deref()
+            .is_some_and(|c| matches!(c, Conn::Cluster(_)));
+        let now = wall_ms();
+        let since =
+            match self
+                .failing_since
+                .compare_exchange(0, now, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => now,
+                Err(v) => v,
+            };
+        // A cluster connection follows the cluster by itself; one that has failed for this
+        // long is rebuilt from the seeds (the whole cluster may have been replaced).
+        if !cluster || now - since > CLUSTER_RECONNECT_AFTER_MS {
+            self.conn.store(None);
+        }
+        // A cluster's refusal (TRYAGAIN, CLUSTERDOWN... after the client's own retries) is
+        // not a node that does not answer: the next call tries again at once.
+        if !cluster || e.code().is_none() {
+            self.down_until
+                .store(wall_ms() + RETRY_AFTER_FAILURE_MS, Ordering::Release);
+        }
         let why = describe(e);
         let changed = {
             let mut last = lock(&self.last_error);
@@ -703,6 +1024,9 @@ impl Inner {
     }
 
     fn answered(&self) {
+        if self.failing_since.load(Ordering::Acquire) != 0 {
+            self.failing_since.store(0, Ordering::Release);
+        }
         if self.down.swap(false, Ordering::AcqRel) {
             tracing::info!("state: Redis answers again; counters are shared again");
         }
@@ -980,10 +1304,7 @@ impl Inner {
     /// Writes the pending rebuild (this replica's committed usage per counter) into its
     /// epoch: one `settle.lua` commit per counter, idempotent by a reservation id made of
     /// this replica and the epoch.
-    async fn apply_pending(
-        self: &Arc<Self>,
-        conn: &mut MultiplexedConnection,
-    ) -> Result<(), StoreUnavailable> {
+    async fn apply_pending(self: &Arc<Self>, conn: &mut Conn) -> Result<(), StoreUnavailable> {
         let Some(rb) = lock(&self.book).pending.clone() else {
             return Ok(());
         };
@@ -1051,15 +1372,27 @@ impl Inner {
         let Ok(mut conn) = self.conn().await else {
             return;
         };
-        let got: Result<Vec<String>, _> = redis::cmd("CONFIG")
-            .arg("GET")
-            .arg("maxmemory-policy")
-            .query_async(&mut conn)
-            .await;
-        let policy = match got {
-            Ok(v) => v.get(1).map(|p| p.chars().take(64).collect::<String>()),
-            Err(e) if reply_lost(&e) => return,
-            Err(_) => None,
+        let mut cmd = redis::cmd("CONFIG");
+        cmd.arg("GET").arg("maxmemory-policy");
+        let policy = match &mut conn {
+            Conn::Single(c) => {
+                let got: Result<Vec<String>, _> = cmd.query_async(c).await;
+                match got {
+                    Ok(v) => v.get(1).map(|p| p.chars().take(64).collect::<String>()),
+                    Err(e) if reply_lost(&e) => return,
+                    Err(_) => None,
+                }
+            }
+            // CONFIG GET answers for one node: ask every master (the namespace's slot may
+            // move to any of them) and report the least safe answer.
+            Conn::Cluster(c) => {
+                let route = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                match c.route_command(cmd, route).await {
+                    Ok(v) => cluster_policy(v),
+                    Err(e) if reply_lost(&e) => return,
+                    Err(_) => None,
+                }
+            }
         };
         let policy = policy.unwrap_or_else(|| "unknown".to_string());
         let before = lock(&self.eviction).replace(policy.clone());
@@ -1209,6 +1542,9 @@ impl SharedCounters for RedisStore {
         _now: Millis,
     ) -> ReserveFuture<'a> {
         Box::pin(async move {
+            if self.shards.len() > 1 {
+                return self.reserve_sharded(parts, amount).await;
+            }
             Ok(match self.inner.clone().reserve(parts, amount).await? {
                 Reserved::Held(hold, committed) => SharedReply::Held {
                     hold: Box::new(hold),
@@ -1217,7 +1553,7 @@ impl SharedCounters for RedisStore {
                 Reserved::Refused(part, refusal, committed) => SharedReply::Refused {
                     part,
                     refusal,
-                    committed,
+                    committed: committed.into_iter().map(Some).collect(),
                 },
                 Reserved::Rebuilding => SharedReply::Rebuilding,
             })
@@ -1225,12 +1561,93 @@ impl SharedCounters for RedisStore {
     }
 
     fn offline_hold(&self, parts: &[SharedPart<'_>], now: Millis) -> Option<Box<dyn SharedHold>> {
-        Some(Box::new(RedisHold {
-            inner: self.inner.clone(),
-            slot: self.inner.slot(parts, Amount::ZERO, now),
-            owed: true,
-            settled: false,
-        }))
+        let holds = self
+            .by_shard(parts)
+            .into_iter()
+            .map(|(s, idx)| {
+                let inner = &self.shards[s];
+                let sub: Vec<SharedPart<'_>> = idx.iter().map(|&i| parts[i].clone()).collect();
+                RedisHold {
+                    inner: inner.clone(),
+                    slot: inner.slot(&sub, Amount::ZERO, now),
+                    owed: true,
+                    settled: false,
+                }
+            })
+            .collect();
+        Some(Box::new(ShardedHold { holds }))
+    }
+}
+
+/// The holds of one reservation spread over shards (one per shard it touched). Settling
+/// settles each; dropping it releases each.
+#[derive(Debug)]
+struct ShardedHold {
+    holds: Vec<RedisHold>,
+}
+
+impl SharedHold for ShardedHold {
+    fn settle(self: Box<Self>, actual: Amount) {
+        for h in self.holds {
+            Box::new(h).settle(actual);
+        }
+    }
+}
+
+impl RedisStore {
+    /// `parts`' indices grouped by shard, shards in ascending order.
+    fn by_shard(&self, parts: &[SharedPart<'_>]) -> Vec<(usize, Vec<usize>)> {
+        let mut m: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
+        for (i, p) in parts.iter().enumerate() {
+            m.entry(self.shard_of(p.key)).or_default().push(i);
+        }
+        m.into_iter().collect()
+    }
+
+    /// A reservation over counters in several shards (several cluster slots): taken shard
+    /// by shard, each one `reserve.lua` call (an atomic check-and-hold of that shard's
+    /// counters). When a shard refuses (or is rebuilding, or does not answer) the holds
+    /// already taken in earlier shards are released (dropped: written in the background,
+    /// journaled if Redis does not take them), so nothing stays held and no counter is ever
+    /// held past its hard bound. Meanwhile those short-lived holds may make another request
+    /// see less room than there is (refusing more, never admitting over a bound).
+    async fn reserve_sharded(
+        &self,
+        parts: &[SharedPart<'_>],
+        amount: Amount,
+    ) -> Result<SharedReply, StoreUnavailable> {
+        let mut committed: Vec<Option<Amount>> = vec![None; parts.len()];
+        let mut holds = Vec::new();
+        for (s, idx) in self.by_shard(parts) {
+            let sub: Vec<SharedPart<'_>> = idx.iter().map(|&i| parts[i].clone()).collect();
+            match self.shards[s].clone().reserve(&sub, amount).await? {
+                Reserved::Held(h, c) => {
+                    for (&i, a) in idx.iter().zip(c) {
+                        committed[i] = Some(a);
+                    }
+                    holds.push(h);
+                }
+                Reserved::Refused(part, refusal, c) => {
+                    for (&i, a) in idx.iter().zip(c) {
+                        committed[i] = Some(a);
+                    }
+                    drop(holds);
+                    return Ok(SharedReply::Refused {
+                        part: idx.get(part).copied().unwrap_or(0),
+                        refusal,
+                        committed,
+                    });
+                }
+                Reserved::Rebuilding => return Ok(SharedReply::Rebuilding),
+            }
+        }
+        Ok(SharedReply::Held {
+            hold: Box::new(ShardedHold { holds }),
+            committed: committed
+                .into_iter()
+                .map(Option::unwrap_or_default)
+                .collect(),
+        })
     }
 }
 

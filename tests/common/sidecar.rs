@@ -74,6 +74,47 @@ impl Sidecar {
         }
     }
 
+    /// A sidecar over the state its policy names (`state.backend: redis`: counters shared
+    /// through Redis, with the readiness probe, `/admin/status` state and the monitor, as
+    /// `tollgate serve` wires them).
+    pub async fn start_shared(yaml: &str) -> Sidecar {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let audit_path = dir.path().join("audit.jsonl");
+        let (audit, _writer) = Audit::jsonl(audit_path.clone(), 4096).expect("audit");
+        let policy = tollgate::policy::from_str(yaml, "test.yaml")
+            .unwrap_or_else(|e| panic!("policy: {e}\n{yaml}"));
+        let state = tollgate::proxy::persist::State::open(&policy).expect("state");
+        let snap = Snapshot::build(policy).expect("snapshot");
+        let running = sidecar::start_with(
+            snap,
+            audit,
+            Options {
+                listen: Some("127.0.0.1:0".parse().unwrap()),
+                admin_listen: Some("127.0.0.1:0".parse().unwrap()),
+                workers: None,
+            },
+            state.governor.clone(),
+        )
+        .await
+        .expect("start sidecar");
+        if let Some(store) = state.redis.clone() {
+            store.start_monitor();
+            let s = store.clone();
+            running.ops.set_state_status(Arc::new(move || s.status()));
+            running.ops.set_state_check(Arc::new(move || {
+                let store = store.clone();
+                Box::pin(async move { store.ready().await })
+            }));
+        }
+        let base = format!("http://{}/v1", running.addr);
+        Sidecar {
+            running,
+            base,
+            audit_path,
+            _dir: dir,
+        }
+    }
+
     pub fn chat_url(&self) -> String {
         format!("{}/chat/completions", self.base)
     }
