@@ -41,8 +41,14 @@ fn ns(name: &str) -> String {
     format!("test-{name}-{:08x}", rand::random::<u32>())
 }
 
+/// One cluster at a time: six redis-servers and a fleet per test on two cores would time
+/// out failovers and slot moves that pass alone.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Six cluster-enabled redis-servers, killed (SIGKILL) when dropped, also mid-test.
 struct Cluster {
+    /// This test's turn, held until its servers are gone.
+    _turn: tokio::sync::MutexGuard<'static, ()>,
     children: Vec<Child>,
     ports: Vec<u16>,
     /// Nodes killed by the test.
@@ -88,6 +94,7 @@ async fn cmd<T: redis::FromRedisValue>(port: u16, args: &[&str]) -> redis::Redis
 
 impl Cluster {
     async fn start() -> Cluster {
+        let turn = ONE_AT_A_TIME.lock().await;
         let dir = tempfile::tempdir().unwrap();
         let all = ports(12);
         let (ports, buses) = (all[..6].to_vec(), all[6..].to_vec());
@@ -117,6 +124,7 @@ impl Cluster {
             children.push(child);
         }
         let cluster = Cluster {
+            _turn: turn,
             children,
             ports,
             dead: Vec::new(),
@@ -1039,8 +1047,13 @@ async fn a_killed_master_is_replaced_and_the_fleet_goes_on_without_a_restart() {
     ))
     .await;
     let st = common::json(&b);
-    // The synced replica had the epoch marker: no loss was seen, nothing rebuilt.
-    assert!(st["state"]["last_rebuild"].is_null(), "{st}");
+    // Replication is asynchronous: the promoted replica may lack the epoch marker (seen in
+    // runs on a loaded machine). Then the loss is noticed and the counters rebuilt, and the
+    // status says so; never a silent fresh budget.
+    if !st["state"]["last_rebuild"].is_null() {
+        let warnings = st["state"]["warnings"].to_string();
+        assert!(warnings.contains("rebuilt"), "{st}");
+    }
     assert!(
         late.is_empty(),
         "refused after the grace: {} ({:?})",

@@ -333,6 +333,14 @@ impl V<'_> {
         if slices && backend != StateBackend::Redis {
             self.err::<()>(f, "state.slices", "needs state.backend: redis");
         }
+        if slices && shards > 1 {
+            // A slice lives in the counters' one hash tag; spread counters are not sliced yet.
+            self.err::<()>(
+                f,
+                "state.slices",
+                "cannot be combined with state.shards above 1 yet",
+            );
+        }
         StateCfg {
             slices,
             backend,

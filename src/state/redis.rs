@@ -131,7 +131,7 @@ const CLUSTER_RETRY_MAX_MS: u64 = 250;
 /// it follows `MOVED`/`ASK`, waits out `TRYAGAIN`, refreshes its slot map on failover).
 /// Scripts run through either (`Script::invoke_async` routes by the first key's slot).
 #[derive(Clone)]
-enum Conn {
+pub(crate) enum Conn {
     Single(MultiplexedConnection),
     Cluster(ClusterConnection),
 }
@@ -759,7 +759,7 @@ impl RedisStore {
 /// Hooks for the slices layer (`state/slices.rs`, docs/scale-out-slices.md): the connection,
 /// failure reporting, the adopted epoch and the record of committed usage.
 impl RedisStore {
-    pub(crate) async fn slice_conn(&self) -> Result<MultiplexedConnection, StoreUnavailable> {
+    pub(crate) async fn slice_conn(&self) -> Result<Conn, StoreUnavailable> {
         self.inner.conn().await
     }
 

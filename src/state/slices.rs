@@ -742,7 +742,7 @@ impl SharedCounters for SlicedStore {
                 Admit::Refused(part, refusal, committed) => Ok(SharedReply::Refused {
                     part,
                     refusal,
-                    committed,
+                    committed: committed.into_iter().map(Some).collect(),
                 }),
                 Admit::PerRequest => self.s.redis.reserve(parts, amount, now).await,
                 Admit::Rebuilding => Ok(SharedReply::Rebuilding),
