@@ -33,10 +33,14 @@ measure() {
   # Background work the warm-up caused (span export) runs before the count starts.
   sleep "${PRE_SETTLE:-0}"
   callgrind_control -z "$vg" >/dev/null 2>&1
+  # WINDOW_LOG: a log whose lines made inside the counted window are counted too.
+  local before=0
+  [ -z "${WINDOW_LOG:-}" ] || before=$(wc -l < "$WINDOW_LOG")
   send "$port" "$N"
   # Background work the requests caused (span export) is counted once it ran.
   sleep "${SETTLE:-0}"
   callgrind_control -d "$vg" >/dev/null 2>&1
+  [ -z "${WINDOW_LOG:-}" ] || echo $(( $(wc -l < "$WINDOW_LOG") - before )) > "$OUT/$name.window-lines"
   sleep 0.5
   local total
   total=$(cat "$OUT/$name".*.[0-9]* 2>/dev/null | awk '/^totals:/{s+=$2} END{print s+0}')

@@ -59,9 +59,9 @@ for i in $(seq "$PAIRS"); do
   : > /tmp/tollgate-bench-otlp.log
   held=$(OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:18080 OTEL_TRACES_SAMPLER=${SAMPLER:-always_on} OTEL_TRACES_SAMPLER_ARG=${SAMPLER_ARG:-1} \
     OTEL_BSP_SCHEDULE_DELAY=3600000 OTEL_BSP_MAX_EXPORT_BATCH_SIZE=65536 OTEL_BSP_MAX_QUEUE_SIZE=65536 OTEL_METRIC_EXPORT_INTERVAL=3600000 \
-    TOLLGATE_LOG=warn SETTLE=$WAIT PRE_SETTLE=$WAIT measure held$i "$PORT" "$BIN" serve --policy "$POLICY")
-  posts=$(grep -c 'POST /v1/' /tmp/tollgate-bench-otlp.log 2>/dev/null || true)
-  [ "${posts:-0}" -eq 0 ] || { echo "an export happened in the held run: see $OUT/held$i.log"; exit 1; }
+    TOLLGATE_LOG=warn SETTLE=$WAIT PRE_SETTLE=$WAIT WINDOW_LOG=/tmp/tollgate-bench-otlp.log measure held$i "$PORT" "$BIN" serve --policy "$POLICY")
+  posts=$(cat "$OUT/held$i.window-lines")
+  [ "${posts:-0}" -eq 0 ] || { echo "an export happened in the held run's counted window: see $OUT/held$i.log"; exit 1; }
   echo "pair $i: exports held, $held instructions/request: each request adds $(( held - off )), the exporter's posts $(( on - held ))"
   reqs+=($(( held - off )))
 done
