@@ -630,45 +630,6 @@ async fn a_cluster_node_without_the_slot_serves_through_the_cluster_client() {
     assert!(!log.contains("does not answer"), "{log}");
 }
 
-/// A TCP proxy to a local port that the test can cut: every open connection is dropped and
-/// new ones are closed at once until it is restored.
-struct Cuttable {
-    port: u16,
-    cut: tokio::sync::watch::Sender<bool>,
-}
-
-impl Cuttable {
-    async fn start(target: u16) -> Cuttable {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let (cut, rx) = tokio::sync::watch::channel(false);
-        tokio::spawn(async move {
-            while let Ok((mut client, _)) = listener.accept().await {
-                if *rx.borrow() {
-                    continue;
-                }
-                let mut rx = rx.clone();
-                tokio::spawn(async move {
-                    let Ok(mut server) =
-                        tokio::net::TcpStream::connect(("127.0.0.1", target)).await
-                    else {
-                        return;
-                    };
-                    tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
-                        _ = rx.wait_for(|c| *c) => {}
-                    }
-                });
-            }
-        });
-        Cuttable { port, cut }
-    }
-
-    fn set_cut(&self, cut: bool) {
-        let _ = self.cut.send(cut);
-    }
-}
-
 /// The connection to Redis cut for 8 s while two calls are in flight: their settles cannot
 /// reach Redis, are journaled, and are written once the connection comes back; nothing of
 /// the usage is lost and the holds are released (not left to the lease).
@@ -682,7 +643,7 @@ async fn a_settle_across_a_cut_connection_is_written_once_it_is_back() {
     let port = free_port();
     let url = format!("redis://127.0.0.1:{port}/");
     let _server = redis_server(port, dir.path(), &[]).await;
-    let proxy = Cuttable::start(port).await;
+    let proxy = common::cuttable::Cuttable::start(port).await;
     let via = format!("redis://127.0.0.1:{}/", proxy.port);
     let n = ns("cut");
     let bounds = "budgets:\n  - {name: cap, scope: global, window: month, hard_tokens: 1000000}";

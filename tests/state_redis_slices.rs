@@ -269,50 +269,12 @@ async fn slices_shrink_near_the_limit_so_a_second_replica_gets_the_remainder() {
     common::redis_keys::delete_prefix(URL, &prefix).await;
 }
 
-/// A TCP proxy to a local port that the test can cut (as in state_redis_faults.rs).
-struct Cuttable {
-    port: u16,
-    cut: tokio::sync::watch::Sender<bool>,
-}
-
-impl Cuttable {
-    async fn start(target: u16) -> Cuttable {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let (cut, rx) = tokio::sync::watch::channel(false);
-        tokio::spawn(async move {
-            while let Ok((mut client, _)) = listener.accept().await {
-                if *rx.borrow() {
-                    continue;
-                }
-                let mut rx = rx.clone();
-                tokio::spawn(async move {
-                    let Ok(mut server) =
-                        tokio::net::TcpStream::connect(("127.0.0.1", target)).await
-                    else {
-                        return;
-                    };
-                    tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
-                        _ = rx.wait_for(|c| *c) => {}
-                    }
-                });
-            }
-        });
-        Cuttable { port, cut }
-    }
-
-    fn set_cut(&self, cut: bool) {
-        let _ = self.cut.send(cut);
-    }
-}
-
 /// (d) `on_unavailable: local` with slices: while Redis is cut the replica admits only what
 /// its slice holds (then refuses, and the governor turns that into 503), and the usage is
 /// written back once Redis answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn during_an_outage_a_replica_spends_only_its_slice() {
-    let proxy = Cuttable::start(6379).await;
+    let proxy = common::cuttable::Cuttable::start(6379).await;
     let via = format!("redis://127.0.0.1:{}/", proxy.port);
     let n = ns("outage");
     let key = minute_key();

@@ -414,8 +414,21 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// A number from the network as a bounded count (negative: 0).
-fn count(v: i64) -> u64 {
+pub(super) fn count(v: i64) -> u64 {
     v.max(0) as u64
+}
+
+/// The refusal a script reports at `reply[2..5]`: the dimension, what was used, the hard limit.
+pub(super) fn refusal_at(reply: &[i64]) -> DimRefusal {
+    DimRefusal {
+        dim: match reply[2] {
+            0 => Dim::Tokens,
+            1 => Dim::Requests,
+            _ => Dim::Usd,
+        },
+        used: count(reply[3]),
+        hard: count(reply[4]),
+    }
 }
 
 impl RedisStore {
@@ -1506,17 +1519,11 @@ impl Inner {
             Some(1) => Ok(Reserved::Held(self.hold(slot), committed_from(1))),
             Some(0) if reply.len() >= 5 => {
                 let part = (count(reply[1]) as usize).min(n.saturating_sub(1));
-                let dim = match reply[2] {
-                    0 => Dim::Tokens,
-                    1 => Dim::Requests,
-                    _ => Dim::Usd,
-                };
-                let refusal = DimRefusal {
-                    dim,
-                    used: count(reply[3]),
-                    hard: count(reply[4]),
-                };
-                Ok(Reserved::Refused(part, refusal, committed_from(5)))
+                Ok(Reserved::Refused(
+                    part,
+                    refusal_at(&reply),
+                    committed_from(5),
+                ))
             }
             Some(2) => {
                 // The marker is not ours: Redis lost the counters (or another replica rebuilt

@@ -138,10 +138,7 @@ fn min(a: Amount, b: Amount) -> Amount {
     }
 }
 
-/// A number from the network as a bounded count (negative: 0).
-fn count(v: i64) -> u64 {
-    v.max(0) as u64
-}
+use super::redis::count;
 
 fn amount_at(v: &[i64], off: usize) -> Amount {
     let g = |d: usize| v.get(off + d).map_or(0, |x| count(*x));
@@ -507,16 +504,7 @@ impl S {
             Some(0) if reply.len() >= 5 + 3 * missing.len() => {
                 Self::rollback(&mut taken, amount);
                 let j = (count(reply[1]) as usize).min(missing.len() - 1);
-                let dim = match reply[2] {
-                    0 => Dim::Tokens,
-                    1 => Dim::Requests,
-                    _ => Dim::Usd,
-                };
-                let refusal = DimRefusal {
-                    dim,
-                    used: count(reply[3]),
-                    hard: count(reply[4]),
-                };
+                let refusal = super::redis::refusal_at(&reply);
                 let mut committed = self.committed_of(parts);
                 for (jj, &i) in missing.iter().enumerate() {
                     committed[i] = amount_at(&reply, 5 + 3 * jj);

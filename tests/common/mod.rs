@@ -2,6 +2,7 @@
 //! client. Each test binary uses a subset, hence the blanket `dead_code` allow.
 #![allow(dead_code)]
 
+pub mod cuttable;
 pub mod mock;
 pub mod native;
 pub mod process;
