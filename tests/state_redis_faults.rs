@@ -656,7 +656,7 @@ async fn a_settle_across_a_cut_connection_is_written_once_it_is_back() {
         .collect();
     assert_eq!(up.wait_for_hits(2, Duration::from_secs(10)).await, 2);
     assert_eq!(sums(&url, &n, "global", ["ht"]).await, [2 * w]);
-    proxy.set_cut(true);
+    proxy.set_cut(true).await;
     for c in calls {
         assert_eq!(c.await.unwrap(), (200, "OK".into()));
     }
@@ -664,7 +664,7 @@ async fn a_settle_across_a_cut_connection_is_written_once_it_is_back() {
     assert_eq!(r.chat().await.0, 503);
     assert_eq!(sums(&url, &n, "global", ["ct"]).await, [0]);
     tokio::time::sleep(Duration::from_secs(8)).await;
-    proxy.set_cut(false);
+    proxy.set_cut(false).await;
     let [ct, ht] = sums_until(&url, &n, "global", ["ct", "ht"], [2 * w, 0], 15).await;
     assert_eq!(
         (ct, ht),

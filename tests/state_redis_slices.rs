@@ -292,7 +292,7 @@ async fn during_an_outage_a_replica_spends_only_its_slice() {
         panic!("a leases");
     };
     assert_eq!(a.granted().tokens, 125);
-    proxy.set_cut(true);
+    proxy.set_cut(true).await;
     hold.settle(tok(10));
     let mut during = 1;
     loop {
@@ -309,7 +309,7 @@ async fn during_an_outage_a_replica_spends_only_its_slice() {
     assert_eq!(during, 12, "exactly what the slice holds: 125 / 10");
     // Redis still counts the slice against the limit (nobody else can spend it).
     assert_eq!(redis_ct_ht(&rkey).await, (0, 125));
-    proxy.set_cut(false);
+    proxy.set_cut(false).await;
     let written = poll_until(Duration::from_secs(10), || async {
         redis_ct_ht(&rkey).await.0 == 120
     })
