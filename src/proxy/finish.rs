@@ -134,6 +134,134 @@ impl std::fmt::Debug for After {
     }
 }
 
+/// A whole answer's body as hyper writes it, carrying the answer's closing: the record is
+/// closed as hyper takes the body's last piece (where the own server closes it, once its write
+/// is done), or, when hyper drops the body unfinished because the client went away during the
+/// write, closed as cut. Both server paths thus say `client_disconnected` for the same client.
+/// A large piece is handed on in slices of [`PIECE`], so a write that fails partway is seen.
+pub struct Finishing {
+    inner: crate::body::Body,
+    after: Option<After>,
+    /// What is left of the piece being handed on.
+    rest: bytes::Bytes,
+    /// A full audit queue's wait, and the last piece held back until it is over.
+    wait: Option<QueueWait>,
+    held: Option<bytes::Bytes>,
+    /// `inner` said it ended (it is not polled again).
+    ended: bool,
+}
+
+/// The slice hyper is handed at a time: about what its write buffer takes before it flushes.
+const PIECE: usize = 64 * 1024;
+
+impl Finishing {
+    /// `inner` with `after` (if the answer has one) run as described above.
+    pub fn new(inner: crate::body::Body, after: Option<After>) -> Self {
+        Finishing {
+            inner,
+            after,
+            rest: bytes::Bytes::new(),
+            wait: None,
+            held: None,
+            ended: false,
+        }
+    }
+
+    /// Closes the record (the body is whole in hyper's hands); `last` goes out once a full
+    /// audit queue has room.
+    fn close(&mut self, last: Option<bytes::Bytes>) {
+        if let Some(wait) = self.after.take().and_then(|a| a.run(false)) {
+            self.wait = Some(wait);
+            self.held = last;
+        } else {
+            self.held = last;
+        }
+    }
+}
+
+impl http_body::Body for Finishing {
+    type Data = bytes::Bytes;
+    type Error = crate::body::BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, Self::Error>>> {
+        use std::task::Poll;
+        let this = &mut *self;
+        if this.after.is_none() && this.rest.is_empty() {
+            // Closed (or nothing to close: a stream closes its own record): pieces go as they come.
+            if let Some(w) = this.wait.as_mut() {
+                std::task::ready!(w.as_mut().poll(cx));
+                this.wait = None;
+            }
+            if let Some(last) = this.held.take() {
+                return Poll::Ready(Some(Ok(http_body::Frame::data(last))));
+            }
+            if this.ended {
+                return Poll::Ready(None);
+            }
+            return std::pin::Pin::new(&mut this.inner).poll_frame(cx);
+        }
+        loop {
+            if !this.rest.is_empty() {
+                let piece = this.rest.split_to(this.rest.len().min(PIECE));
+                if this.rest.is_empty() && this.inner.is_end_stream() {
+                    this.close(Some(piece));
+                    return self.poll_frame(cx);
+                }
+                return Poll::Ready(Some(Ok(http_body::Frame::data(piece))));
+            }
+            match std::task::ready!(std::pin::Pin::new(&mut this.inner).poll_frame(cx)) {
+                None => {
+                    this.ended = true;
+                    this.close(None);
+                    return self.poll_frame(cx);
+                }
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => this.rest = data,
+                    Err(other) => return Poll::Ready(Some(Ok(other))),
+                },
+                Some(Err(e)) => return Poll::Ready(Some(Err(e))),
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.after.is_none()
+            && self.rest.is_empty()
+            && self.held.is_none()
+            && self.wait.is_none()
+            && (self.ended || self.inner.is_end_stream())
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        let mut hint = self.inner.size_hint();
+        let extra = (self.rest.len() + self.held.as_ref().map_or(0, bytes::Bytes::len)) as u64;
+        hint.set_lower(hint.lower().saturating_add(extra));
+        if let Some(upper) = hint.upper() {
+            hint.set_upper(upper.saturating_add(extra));
+        }
+        hint
+    }
+}
+
+impl Drop for Finishing {
+    fn drop(&mut self) {
+        // Dropped with its closing still to run: hyper gave up on the write (the client went).
+        let wait = self
+            .after
+            .take()
+            .and_then(|a| a.run(true))
+            .or_else(|| self.wait.take());
+        if let Some(wait) = wait {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(wait);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::After;
@@ -172,6 +300,36 @@ mod tests {
         resp.extensions_mut().insert(a);
         drop(resp);
         assert_eq!(seen.load(Ordering::SeqCst), 1, "closed from Drop");
+    }
+
+    #[tokio::test]
+    async fn hyper_s_body_closes_as_its_last_piece_is_taken_or_as_cut_when_dropped() {
+        use http_body_util::BodyExt;
+        let (a, seen) = noted();
+        let mut body = super::Finishing::new(crate::body::full(vec![7u8; 200_000]), Some(a));
+        let mut got = 0;
+        while let Some(frame) = body.frame().await {
+            let n = frame.unwrap().into_data().unwrap().len();
+            assert!(n <= super::PIECE, "handed on in slices");
+            got += n;
+            if got < 200_000 {
+                assert_eq!(
+                    seen.load(Ordering::SeqCst),
+                    0,
+                    "not closed before the last piece"
+                );
+            }
+        }
+        assert_eq!(got, 200_000);
+        assert_eq!(seen.load(Ordering::SeqCst), 1, "closed once, as written");
+        drop(body);
+        assert_eq!(seen.load(Ordering::SeqCst), 1, "not twice");
+
+        let (a, seen) = noted();
+        let mut body = super::Finishing::new(crate::body::full(vec![7u8; 200_000]), Some(a));
+        let _ = body.frame().await;
+        drop(body);
+        assert_eq!(seen.load(Ordering::SeqCst), 2, "dropped unfinished: cut");
     }
 
     #[test]

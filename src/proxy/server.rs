@@ -184,16 +184,18 @@ async fn connection<H: Handler>(
                     .then(|| svc.call(req.map(crate::body::ReqBody::Hyper)));
                 async move {
                     let Some(answer) = answer else {
-                        return Ok(host_refusal(port));
+                        return Ok(host_refusal(port)
+                            .map(|body| super::finish::Finishing::new(body, None)));
                     };
                     let mut resp = answer.await?;
                     // hyper writes the answer from its map: the stamped fields go in there.
                     super::stamps::into_headers(&mut resp);
-                    // hyper writes the answer after this returns: the record is closed first,
-                    // as the answer is handed over.
+                    // The record is closed as hyper takes the body's last piece, or as cut
+                    // when hyper drops the body unwritten (see `Finishing`).
                     let after = resp.extensions_mut().remove::<super::finish::After>();
-                    super::finish::run_after(after, false).await;
-                    Ok::<_, std::convert::Infallible>(resp)
+                    Ok::<_, std::convert::Infallible>(
+                        resp.map(|body| super::finish::Finishing::new(body, after)),
+                    )
                 }
             }),
         )
