@@ -303,7 +303,7 @@ fn init_tracing(format: LogFormat) {
 fn start_audit(
     p: &crate::policy::Policy,
 ) -> Result<(crate::audit::Audit, Option<crate::audit::AuditWriter>), crate::audit::AuditError> {
-    use crate::audit::{Audit, AuditError};
+    use crate::audit::{Audit, AuditError, Retention};
     use crate::policy::AuditSink;
     let a = &p.audit;
     // For the database sinks, `<audit.path>.spill` takes rows (JSON lines) while the database
@@ -312,7 +312,14 @@ fn start_audit(
     let spill = std::path::PathBuf::from(format!("{}.spill", a.path));
     let (audit, writer) = match a.sink {
         AuditSink::Off => return Ok((Audit::off(), None)),
-        AuditSink::Jsonl => Audit::jsonl(a.path.clone().into(), a.queue)?,
+        AuditSink::Jsonl => {
+            let rotation = crate::audit::Rotation {
+                max_bytes: a.max_bytes,
+                keep: a.keep,
+                compress: a.compress,
+            };
+            Audit::jsonl_with(a.path.clone().into(), a.queue, rotation)?
+        }
         AuditSink::Sqlite => Audit::sqlite(
             std::path::Path::new(&p.state.path),
             &a.table,
@@ -326,6 +333,18 @@ fn start_audit(
                 .ok_or_else(|| AuditError::Postgres("audit.postgres_url is required".into()))?;
             Audit::postgres(url, &a.table, a.queue, spill)?
         }
+    };
+    let writer = match (a.retention_days, a.sink) {
+        (Some(days), AuditSink::Sqlite) => writer.with_retention(Retention::sqlite(
+            p.state.path.clone().into(),
+            a.table.clone(),
+            days,
+        )?),
+        (Some(days), AuditSink::Postgres) => {
+            let url = a.postgres_url.as_deref().unwrap_or_default();
+            writer.with_retention(Retention::postgres(url, a.table.clone(), days)?)
+        }
+        _ => writer,
     };
     Ok((audit, Some(writer)))
 }
@@ -404,6 +423,13 @@ fn jsonl_report(
     tz: &jiff::tz::TimeZone,
     now: jiff::Timestamp,
 ) -> Result<crate::audit::report::Report, String> {
+    if file.as_os_str() == "-" {
+        return Err(
+            "audit.path is `-` (standard output): there is no file to read; \
+                    give the collected lines with --jsonl FILE"
+                .into(),
+        );
+    }
     let (r, skipped) = crate::audit::report::from_jsonl(file, tz_name, tz, now)?;
     if skipped > 0 {
         eprintln!(

@@ -8,9 +8,14 @@
 mod line;
 pub mod postgres;
 pub mod report;
+mod retention;
+mod rotate;
 pub mod row;
 mod spill;
 pub mod sqlite;
+
+pub use retention::{prune_postgres, prune_sqlite, Retention};
+pub use rotate::{jsonl_files, open_jsonl, Rotation};
 
 pub use row::{usage_row, valid_table, UsageRow};
 use spill::{spill, spill_at_shutdown, SpillFile};
@@ -66,6 +71,7 @@ pub struct Audit {
 pub struct AuditWriter {
     thread: Option<std::thread::JoinHandle<()>>,
     stats: std::sync::Arc<Stats>,
+    retention: Option<Retention>,
 }
 
 /// What a database sink went through: how an outage shows.
@@ -83,22 +89,33 @@ impl Audit {
         Audit { tx: None }
     }
 
-    /// Starts a JSONL writer appending to `path`.
+    /// Starts a JSONL writer appending to `path`, never rotating it.
     pub fn jsonl(path: PathBuf, queue: usize) -> std::io::Result<(Audit, AuditWriter)> {
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)?;
+        Audit::jsonl_with(path, queue, Rotation::NEVER)
+    }
+
+    /// Starts a JSONL writer appending to `path` (`-`: standard output, never rotated),
+    /// rotating it by size as `rotation` says.
+    pub fn jsonl_with(
+        path: PathBuf,
+        queue: usize,
+        rotation: Rotation,
+    ) -> std::io::Result<(Audit, AuditWriter)> {
+        let mut out = if path.as_os_str() == "-" {
+            JsonlOut::Stdout(Vec::with_capacity(256 * 1024))
+        } else {
+            JsonlOut::File(Box::new(rotate::RotatingFile::open(path, rotation)?))
+        };
         let (tx, mut rx) = mpsc::channel::<Entry>(queue.max(1));
         let thread = std::thread::Builder::new()
             .name("tollgate-audit".into())
             .spawn(move || {
-                let mut out = std::io::BufWriter::with_capacity(256 * 1024, file);
+                let mut line = Vec::with_capacity(2048);
                 while let Some(e) = rx.blocking_recv() {
-                    write_one(&mut out, &e);
+                    out.write(&mut line, &e);
                     // Drain what is queued, then flush once: batched writes under load.
                     while let Ok(e) = rx.try_recv() {
-                        write_one(&mut out, &e);
+                        out.write(&mut line, &e);
                     }
                     if let Err(err) = out.flush() {
                         tracing::error!(%err, "audit flush failed");
@@ -108,12 +125,16 @@ impl Audit {
                     std::thread::sleep(BATCH_PAUSE);
                 }
                 let _ = out.flush();
+                if let JsonlOut::File(f) = &mut out {
+                    f.wait_chores();
+                }
             })?;
         Ok((
             Audit { tx: Some(tx) },
             AuditWriter {
                 thread: Some(thread),
                 stats: Default::default(),
+                retention: None,
             },
         ))
     }
@@ -148,10 +169,39 @@ impl Audit {
     }
 }
 
-fn write_one(out: &mut impl Write, e: &Entry) {
-    let res = line::write(&mut *out, e);
-    if let Err(err) = res {
-        tracing::error!(%err, "audit write failed");
+/// Where the JSONL writer puts lines.
+enum JsonlOut {
+    File(Box<rotate::RotatingFile>),
+    /// Lines of the current batch: written under one lock of stdout, so the process's own
+    /// log lines (also on stdout) never land inside an audit line.
+    Stdout(Vec<u8>),
+}
+
+impl JsonlOut {
+    fn write(&mut self, line: &mut Vec<u8>, e: &Entry) {
+        line.clear();
+        let res = line::write(&mut *line, e).and_then(|()| match self {
+            JsonlOut::File(f) => f.write_line(line),
+            JsonlOut::Stdout(batch) => {
+                batch.extend_from_slice(line);
+                Ok(())
+            }
+        });
+        if let Err(err) = res {
+            tracing::error!(%err, "audit write failed");
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            JsonlOut::File(f) => f.flush(),
+            JsonlOut::Stdout(batch) => {
+                let mut out = std::io::stdout().lock();
+                let res = out.write_all(batch).and_then(|()| out.flush());
+                batch.clear();
+                res
+            }
+        }
     }
 }
 
@@ -170,8 +220,17 @@ impl AuditWriter {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Deletes the usage log's old rows now and then, off the request path, until `finish`.
+    pub fn with_retention(mut self, r: Retention) -> Self {
+        self.retention = Some(r);
+        self
+    }
+
     /// Waits until every queued record is written (all `Audit` senders must be dropped).
     pub fn finish(mut self) {
+        if let Some(r) = self.retention.take() {
+            r.stop();
+        }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

@@ -255,6 +255,7 @@ impl Audit {
             AuditWriter {
                 thread: Some(thread),
                 stats,
+                retention: None,
             },
         ))
     }

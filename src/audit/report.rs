@@ -105,7 +105,6 @@ pub fn from_jsonl(
     now: Timestamp,
 ) -> Result<(Report, usize), String> {
     use std::collections::BTreeMap;
-    use std::io::BufRead;
     #[derive(serde::Deserialize)]
     struct Line {
         ts: String,
@@ -119,11 +118,15 @@ pub fn from_jsonl(
         cost_usd: f64,
     }
     let (day0, month0, day) = periods(now, tz)?;
-    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    // The current file and its rotated (maybe gzipped) siblings, oldest first.
+    let mut files = super::jsonl_files(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    if files.is_empty() {
+        files.push(path.to_path_buf());
+    }
     let mut by: [BTreeMap<String, Totals>; 2] = Default::default();
     let mut skipped = 0usize;
-    for line in std::io::BufReader::new(file).lines() {
-        let line = line.map_err(|e| format!("{}: {e}", path.display()))?;
+    for (file, line) in files.iter().flat_map(|f| read_lines(f)) {
+        let line = line.map_err(|e| format!("{}: {e}", file.display()))?;
         if line.trim().is_empty() {
             continue;
         }
@@ -218,6 +221,15 @@ pub async fn from_postgres(
 }
 
 /// The report as aligned text tables.
+/// Every line of one audit file (`.gz` too); a file that cannot be opened is one error.
+fn read_lines(f: &Path) -> Box<dyn Iterator<Item = (&Path, std::io::Result<String>)> + '_> {
+    use std::io::BufRead;
+    match super::open_jsonl(f) {
+        Ok(r) => Box::new(r.lines().map(move |l| (f, l))),
+        Err(e) => Box::new(std::iter::once((f, Err(e)))),
+    }
+}
+
 pub fn render(r: &Report) -> String {
     let mut s = format!(
         "today {} and month to date from {} ({})\n",

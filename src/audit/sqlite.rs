@@ -220,6 +220,7 @@ impl Audit {
             AuditWriter {
                 thread: Some(thread),
                 stats,
+                retention: None,
             },
         ))
     }

@@ -61,6 +61,14 @@ pub const DEFAULT_STATE_NAMESPACE: &str = "default";
 pub const DEFAULT_AUDIT_SINK: &str = "jsonl";
 pub const DEFAULT_AUDIT_PATH: &str = "tollgate-audit.jsonl";
 pub const DEFAULT_AUDIT_QUEUE: usize = 8192;
+/// 100 MiB: at ~1.4 KB a record, ~75,000 requests a file.
+pub const DEFAULT_AUDIT_MAX_BYTES: u64 = 100 * 1024 * 1024;
+pub const DEFAULT_AUDIT_KEEP: u32 = 5;
+/// Most rotated audit files kept (a typo such as `keep: 50000` would mean a full disk).
+pub const MAX_AUDIT_KEEP: u32 = 1000;
+/// Longest usage-log retention a policy may set (~100 years; beyond it the cut-off date
+/// would precede every timestamp anyway).
+pub const MAX_RETENTION_DAYS: u32 = 36_500;
 pub const DEFAULT_ALERT_TIMEOUT: Duration = Duration::from_secs(5);
 pub const DEFAULT_ALERT_QUEUE: usize = 256;
 pub const DEFAULT_ALERT_ATTEMPTS: u32 = 5;
@@ -304,6 +312,10 @@ pub struct RawAudit {
     pub postgres_url: Option<String>,
     pub queue: Option<usize>,
     pub table: Option<String>,
+    pub max_bytes: Option<u64>,
+    pub keep: Option<u32>,
+    pub compress: Option<bool>,
+    pub retention_days: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize)]

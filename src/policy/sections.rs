@@ -396,12 +396,52 @@ impl V<'_> {
             ),
             None => DEFAULT_AUDIT_TABLE.to_owned(),
         };
+        let max_bytes = get!(m.audit, max_bytes)
+            .copied()
+            .unwrap_or(DEFAULT_AUDIT_MAX_BYTES);
+        let keep = match get!(m.audit, keep) {
+            Some(&k) if k > MAX_AUDIT_KEEP => self.err(
+                f,
+                "audit.keep",
+                format!("{k} is more than {MAX_AUDIT_KEEP} rotated files"),
+            ),
+            Some(&k) => k,
+            None => DEFAULT_AUDIT_KEEP,
+        };
+        let compress = get!(m.audit, compress).copied().unwrap_or(false);
+        if path == "-" && sink != AuditSink::Jsonl {
+            self.err::<()>(
+                f,
+                "audit.path",
+                "`-` (standard output) is only for audit.sink: jsonl",
+            );
+        }
+        let retention_days = match get!(m.audit, retention_days) {
+            Some(&0) => self.err(f, "audit.retention_days", "must be greater than zero"),
+            Some(&d) if d > MAX_RETENTION_DAYS => self.err(
+                f,
+                "audit.retention_days",
+                format!("{d} is more than {MAX_RETENTION_DAYS} days"),
+            ),
+            Some(&d) if matches!(sink, AuditSink::Sqlite | AuditSink::Postgres) => Some(d),
+            Some(_) => self.err(
+                f,
+                "audit.retention_days",
+                "applies to the usage log only (audit.sink: sqlite or postgres); the JSONL \
+                 audit is bounded by max_bytes and keep",
+            ),
+            None => None,
+        };
         AuditCfg {
             sink,
             path,
             postgres_url,
             queue,
             table,
+            max_bytes,
+            keep,
+            compress,
+            retention_days,
         }
     }
 }

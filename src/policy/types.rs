@@ -506,6 +506,14 @@ pub struct AuditCfg {
     /// Usage-log table of the sqlite/postgres sinks: a plain SQL identifier (validated),
     /// since it is spliced into DDL. Tests give each run its own.
     pub table: String,
+    /// JSONL: rotate the file before a record would take it past this size; 0 = never.
+    pub max_bytes: u64,
+    /// JSONL: rotated files kept (the oldest beyond this are deleted).
+    pub keep: u32,
+    /// JSONL: gzip rotated files.
+    pub compress: bool,
+    /// sqlite/postgres: usage rows older than this many days are deleted; `None` = kept.
+    pub retention_days: Option<u32>,
 }
 
 /// `alerts`: threshold crossings (`alert_at`) always go to the log (target `tollgate::alert`);
