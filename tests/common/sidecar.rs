@@ -19,6 +19,8 @@ pub struct Sidecar {
     pub base: String,
     pub audit_path: PathBuf,
     _dir: tempfile::TempDir,
+    /// The state `start_shared` opened, finished at `stop` as `tollgate serve` does.
+    state: Option<tollgate::proxy::persist::State>,
 }
 
 impl Sidecar {
@@ -71,6 +73,7 @@ impl Sidecar {
             base,
             audit_path,
             _dir: dir,
+            state: None,
         }
     }
 
@@ -112,6 +115,7 @@ impl Sidecar {
             base,
             audit_path,
             _dir: dir,
+            state: Some(state),
         }
     }
 
@@ -194,5 +198,10 @@ impl Sidecar {
         tokio::time::timeout(Duration::from_secs(10), self.running.shutdown())
             .await
             .expect("sidecar shuts down");
+        if let Some(state) = self.state {
+            tokio::time::timeout(Duration::from_secs(10), state.finish())
+                .await
+                .expect("state finishes");
+        }
     }
 }
