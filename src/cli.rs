@@ -70,10 +70,11 @@ pub struct ReplayArgs {
     /// Exit 1 when any decision changes (to gate a policy change in CI).
     #[arg(long)]
     pub fail_on_change: bool,
-    /// Report on requests from this time on (RFC 3339); earlier ones still fill the counters.
+    /// Report on requests that came in from this time on (RFC 3339); earlier ones still fill
+    /// the counters.
     #[arg(long)]
     pub from: Option<String>,
-    /// Report on requests before this time (RFC 3339).
+    /// Leave out requests that came in at or after this time (RFC 3339).
     #[arg(long)]
     pub to: Option<String>,
 }

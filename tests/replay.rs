@@ -255,14 +255,17 @@ async fn recorded_traffic_replays_unchanged_under_its_own_policy_and_changes_und
     assert_eq!(w["requests"], 9);
     assert_eq!(w["changes"], v["changes"]);
 
-    // --from: only later requests are reported; earlier ones still count in the windows, so
+    // --from (bob's third came in then): only later requests are reported; earlier ones still count in the windows, so
     // bob's third is still over the team's two requests.
-    let from = &audit
+    let bob3_start = audit
         .records
         .iter()
         .find(|x| x.request_id == "bob-3")
         .unwrap()
-        .ts;
+        .start_ns;
+    let from = &jiff::Timestamp::from_nanosecond(bob3_start)
+        .unwrap()
+        .to_string();
     let (code, out, err) = run(&[
         "--policy",
         other_file.to_str().unwrap(),

@@ -18,8 +18,9 @@ use report::{Decision, Tally};
 use script::{Played, ReplayClock};
 use std::sync::Arc;
 
-/// The period reported on. Requests before `from` are still replayed (they fill the
-/// windows' counters) but not reported; requests at or after `to` are left out.
+/// The period reported on, by when requests came in. Requests before `from` are still
+/// replayed (they fill the windows' counters) but not reported; requests at or after `to`
+/// are left out.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Period {
     pub from: Option<jiff::Timestamp>,
@@ -34,13 +35,17 @@ fn governed(r: &Recorded) -> bool {
 /// Replays `read`'s records (already in time order) under `policy`.
 pub async fn replay(policy: &Policy, read: &Traffic, period: Period) -> Report {
     let gov = Governor::new(Arc::new(Ledger::new()));
+    let from = period.from.map(|t| t.as_nanosecond());
+    let to = period.to.map(|t| t.as_nanosecond());
     let mut tally = Tally::default();
     tally.report.skipped_lines = read.skipped as u64;
     for r in &read.records {
-        if period.to.is_some_and(|to| r.at >= to) {
+        // By when the request came in: the order it is replayed in. (A record's `ts` is
+        // when it was closed, which may come after the next request was answered.)
+        if to.is_some_and(|to| r.start_ns >= to) {
             continue;
         }
-        let reported = period.from.is_none_or(|f| r.at >= f);
+        let reported = from.is_none_or(|f| r.start_ns >= f);
         if !governed(r) {
             tally.report.not_governed += u64::from(reported);
             continue;

@@ -51,20 +51,14 @@ pub struct Recorded {
     pub attempts: Vec<RecordedAttempt>,
     #[serde(default)]
     pub refusals: Vec<RecordedRefusal>,
-    /// When the answer was written (`ts`).
-    #[serde(skip, default = "epoch")]
-    pub at: jiff::Timestamp,
     /// When the request came in (`ts` − `latency_ms`: when its reservation was made), Unix
-    /// ns: sequential requests through a fast sidecar often share a millisecond.
+    /// ns: sequential requests through a fast sidecar often share a millisecond, and `ts`
+    /// (when the record was closed) may come after the next request's.
     #[serde(skip)]
     pub start_ns: i128,
     /// `start_ns` in ms, the governor's clock.
     #[serde(skip)]
     pub start_ms: i64,
-}
-
-fn epoch() -> jiff::Timestamp {
-    jiff::Timestamp::UNIX_EPOCH
 }
 
 impl Recorded {
@@ -151,7 +145,6 @@ pub fn parse(line: &[u8]) -> Option<Recorded> {
         .filter(|l| l.is_finite())
         .unwrap_or(0.0)
         .clamp(0.0, MAX_LATENCY_MS);
-    r.at = at;
     r.start_ns = at.as_nanosecond() - (latency * 1e6) as i128;
     r.start_ms = i64::try_from(r.start_ns.div_euclid(1_000_000)).ok()?;
     Some(r)
