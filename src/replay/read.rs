@@ -149,3 +149,30 @@ pub fn parse(line: &[u8]) -> Option<Recorded> {
     r.start_ms = i64::try_from(r.start_ns.div_euclid(1_000_000)).ok()?;
     Some(r)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LINE: &str = r#"{"ts":"2026-03-01T10:00:10Z","final_action":"ALLOW","reason_class":"OK","request_id":"r","job_id":"r","consumer_id":"c","route":"chat","backend":"p","latency_ms":LAT}"#;
+
+    #[test]
+    fn a_record_starts_its_latency_before_its_ts_and_absurd_numbers_are_bounded() {
+        let at = jiff::Timestamp::from_second(1_772_359_210)
+            .unwrap()
+            .as_millisecond();
+        let start = |lat: &str| parse(LINE.replace("LAT", lat).as_bytes()).map(|r| r.start_ms);
+        assert_eq!(start("1500.5"), Some(at - 1501));
+        // Negative, absurd or missing latencies: no time travel past a day.
+        assert_eq!(start("-5"), Some(at));
+        assert_eq!(start("null"), Some(at));
+        assert_eq!(start("1e300"), Some(at - 86_400_000));
+        // A count that is not a u64 makes the line not a record, never a wrapped number.
+        let neg = LINE.replace("LAT", "1").replace(
+            r#""backend":"p""#,
+            r#""backend":"p","actual_output_tokens":-1"#,
+        );
+        assert!(parse(neg.as_bytes()).is_none());
+        assert!(parse(b"{\"ts\":\"yesterday\"}").is_none());
+    }
+}
