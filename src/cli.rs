@@ -1,5 +1,6 @@
-//! The command line: `serve`, `check`, `test`, `usage`. Each command returns an exit code:
-//! 0 ok, 1 a scenario mismatch or an unreadable usage log, 2 invalid input.
+//! The command line: `serve`, `check`, `test`, `usage`, `replay`. Each command returns an exit
+//! code: 0 ok, 1 a scenario mismatch, an unreadable usage log or (`replay --fail-on-change`) a
+//! changed decision, 2 invalid input.
 
 use crate::policy;
 use crate::scenario::{self, ScenarioResult};
@@ -51,6 +52,31 @@ pub enum Command {
     },
     /// Today's tokens and month-to-date cost per provider and consumer, from the usage log.
     Usage(UsageArgs),
+    /// Re-decide recorded traffic (JSONL audit files) under a candidate policy.
+    Replay(ReplayArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ReplayArgs {
+    /// The candidate policy (file or directory).
+    #[arg(long)]
+    pub policy: PathBuf,
+    /// JSONL audit files, rotated ones and `.gz` included, in any order.
+    #[arg(required = true)]
+    pub audit: Vec<PathBuf>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Exit 1 when any decision changes (to gate a policy change in CI).
+    #[arg(long)]
+    pub fail_on_change: bool,
+    /// Report on requests that came in from this time on (RFC 3339); earlier ones still fill
+    /// the counters.
+    #[arg(long)]
+    pub from: Option<String>,
+    /// Leave out requests that came in at or after this time (RFC 3339).
+    #[arg(long)]
+    pub to: Option<String>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -438,6 +464,73 @@ fn jsonl_report(
         );
     }
     Ok(r)
+}
+
+/// `replay`: print what the candidate policy would have decided for the recorded requests.
+/// Exit 0 printed, 1 a decision changed under `--fail-on-change`, 2 bad policy, file or time.
+pub async fn replay(args: &ReplayArgs) -> u8 {
+    use crate::replay;
+    let p = match policy::load(&args.policy) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("{e}");
+            return EXIT_INVALID;
+        }
+    };
+    let time = |flag: &str, v: &Option<String>| -> Result<Option<jiff::Timestamp>, String> {
+        v.as_deref()
+            .map(|s| {
+                s.parse::<jiff::Timestamp>()
+                    .map_err(|e| format!("replay: {flag}: not an RFC 3339 time ({s}): {e}"))
+            })
+            .transpose()
+    };
+    let period = match (time("--from", &args.from), time("--to", &args.to)) {
+        (Ok(from), Ok(to)) => replay::Period { from, to },
+        (Err(e), _) | (_, Err(e)) => {
+            eprintln!("{e}");
+            return EXIT_INVALID;
+        }
+    };
+    let read = match replay::read_all(&args.audit) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("replay: cannot read the audit: {e}");
+            return EXIT_INVALID;
+        }
+    };
+    if read.skipped > 0 {
+        eprintln!(
+            "replay: skipped {} line(s) that are not audit records",
+            read.skipped
+        );
+    }
+    if read.records.is_empty() && read.skipped > 0 {
+        eprintln!("replay: no audit records in the given files");
+        return EXIT_INVALID;
+    }
+    let report = replay::replay(&p, &read, period).await;
+    let text = if args.json {
+        match serde_json::to_string_pretty(&report) {
+            Ok(s) => s + "\n",
+            Err(e) => {
+                eprintln!("replay: {e}");
+                return EXIT_FAILURE;
+            }
+        }
+    } else {
+        replay::render(&report)
+    };
+    use std::io::Write;
+    let _ = std::io::stdout().lock().write_all(text.as_bytes());
+    if args.fail_on_change && report.changed > 0 {
+        eprintln!(
+            "replay: {} decision(s) change under {}",
+            report.changed, p.source
+        );
+        return EXIT_MISMATCH;
+    }
+    EXIT_OK
 }
 
 /// SIGTERM, SIGINT and SIGHUP, listened for from start-up on.

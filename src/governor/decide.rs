@@ -332,6 +332,8 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
         let primary_circuit = gov.circuit(&primary.id);
         rec.circuit_state = primary_circuit.state_at(start);
         rec.estimated_input_tokens = ctx.input_tokens;
+        rec.client_max_tokens = ctx.max_output_tokens;
+        rec.n = ctx.n;
         rec.retry_budget = policy.retry.max_attempts_per_job;
         let per_choice = output_cap(policy, route, ctx, &parts, n, &mut rec);
 

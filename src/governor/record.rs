@@ -166,6 +166,10 @@ fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
+fn is_one(n: &u32) -> bool {
+    *n == 1
+}
+
 /// A bound that refused or was checked, for the audit record.
 #[derive(Debug, Clone, Serialize)]
 pub struct BoundNote {
@@ -269,6 +273,14 @@ pub struct RecordFields {
     pub upstream_model: Option<Arc<str>>,
     pub estimated_input_tokens: u64,
     pub requested_output_tokens: u64,
+    /// The client's own output cap per choice (`max_tokens` or its dialect's name); absent:
+    /// it sent none and the route's default applied. With `n`, what `tollgate replay` needs
+    /// to work the cap out again under another policy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client_max_tokens: Option<u64>,
+    /// Choices asked for; written only when more than one.
+    #[serde(skip_serializing_if = "is_one")]
+    pub n: u32,
     pub worst_case_tokens: u64,
     pub worst_case_usd: f64,
     pub actual_input_tokens: u64,
@@ -358,6 +370,8 @@ impl Record {
                 upstream_model: None,
                 estimated_input_tokens: 0,
                 requested_output_tokens: 0,
+                client_max_tokens: None,
+                n: 1,
                 worst_case_tokens: 0,
                 worst_case_usd: 0.0,
                 actual_input_tokens: 0,
