@@ -209,9 +209,12 @@ pub fn from_sqlite(
         let mut st = conn
             .prepare(&format!("PRAGMA table_info({table})"))
             .map_err(err)?;
-        let cols = st.query_map([], |r| r.get::<_, String>(1)).map_err(err)?;
-        let found = cols.filter_map(Result::ok).any(|c| c == "team");
-        found
+        let cols: Vec<String> = st
+            .query_map([], |r| r.get::<_, String>(1))
+            .map_err(err)?
+            .filter_map(Result::ok)
+            .collect();
+        cols.iter().any(|c| c == "team")
     };
     let (d, m) = (format_utc(day0), format_utc(month0));
     let group = |b: By| -> Result<Vec<Totals>, String> {
