@@ -50,7 +50,8 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Today's tokens and month-to-date cost per provider and consumer, from the usage log.
+    /// Today's tokens and month-to-date cost per provider and consumer (or per team,
+    /// consumer, backend or model with --by), from the usage log or the JSONL audit.
     Usage(UsageArgs),
     /// Re-decide recorded traffic (JSONL audit files) under a candidate policy.
     Replay(ReplayArgs),
@@ -120,6 +121,9 @@ pub struct UsageArgs {
     /// The usage-log table (default: the policy's audit.table).
     #[arg(long)]
     pub table: Option<String>,
+    /// Group by team, consumer, backend or model (default: providers and consumers).
+    #[arg(long, value_name = "team|consumer|backend|model")]
+    pub by: Option<crate::audit::report::By>,
     /// Print JSON instead of tables.
     #[arg(long)]
     pub json: bool,
@@ -375,7 +379,8 @@ fn start_audit(
     Ok((audit, Some(writer)))
 }
 
-/// `usage`: print today's tokens and month-to-date cost per provider and consumer.
+/// `usage`: print today's tokens and month-to-date cost per provider and consumer, or per
+/// the one grouping `--by` names.
 /// Exit 0 printed, 1 the log cannot be read, 2 bad policy or arguments.
 pub async fn usage(args: &UsageArgs) -> u8 {
     use crate::audit::report;
@@ -395,16 +400,20 @@ pub async fn usage(args: &UsageArgs) -> u8 {
     let tz = &p.windows.timezone;
     let tz_name = &p.windows.timezone_name;
     let now = jiff::Timestamp::now();
+    let by: &[report::By] = match &args.by {
+        Some(b) => std::slice::from_ref(b),
+        None => &report::By::DEFAULT,
+    };
     let pg = args.postgres.clone().or_else(|| {
         (args.db.is_none() && args.jsonl.is_none() && p.audit.sink == AuditSink::Postgres)
             .then(|| p.audit.postgres_url.clone())
             .flatten()
     });
     let res = match (pg, &args.jsonl) {
-        (Some(url), _) => report::from_postgres(&url, table, tz_name, tz, now).await,
-        (None, Some(file)) => jsonl_report(file, tz_name, tz, now),
+        (Some(url), _) => report::from_postgres(&url, table, by, tz_name, tz, now).await,
+        (None, Some(file)) => jsonl_report(file, by, tz_name, tz, now),
         (None, None) if args.db.is_none() && p.audit.sink == AuditSink::Jsonl => {
-            jsonl_report(std::path::Path::new(&p.audit.path), tz_name, tz, now)
+            jsonl_report(std::path::Path::new(&p.audit.path), by, tz_name, tz, now)
         }
         (None, None) if args.db.is_none() && p.audit.sink == AuditSink::Off => {
             eprintln!(
@@ -419,7 +428,7 @@ pub async fn usage(args: &UsageArgs) -> u8 {
                 .db
                 .clone()
                 .unwrap_or_else(|| PathBuf::from(&p.state.path));
-            report::from_sqlite(&db, table, tz_name, tz, now)
+            report::from_sqlite(&db, table, by, tz_name, tz, now)
         }
     };
     let text = match res {
@@ -445,6 +454,7 @@ pub async fn usage(args: &UsageArgs) -> u8 {
 /// The JSONL audit as a usage report; torn lines are skipped with a note on stderr.
 fn jsonl_report(
     file: &std::path::Path,
+    by: &[crate::audit::report::By],
     tz_name: &str,
     tz: &jiff::tz::TimeZone,
     now: jiff::Timestamp,
@@ -456,7 +466,7 @@ fn jsonl_report(
                 .into(),
         );
     }
-    let (r, skipped) = crate::audit::report::from_jsonl(file, tz_name, tz, now)?;
+    let (r, skipped) = crate::audit::report::from_jsonl(file, by, tz_name, tz, now)?;
     if skipped > 0 {
         eprintln!(
             "usage: {}: skipped {skipped} line(s) that are not audit records",

@@ -12,6 +12,7 @@ pub mod otel;
 pub mod scope;
 pub mod shard;
 pub mod stats;
+pub mod teams;
 pub mod window;
 
 use crate::audit::Entry;
@@ -34,6 +35,8 @@ pub struct Telemetry {
     handle: Option<PrometheusHandle>,
     pub stats: Stats,
     pub alerts: alerts::Alerts,
+    /// Spend by team (`tollgate_team_*`), labels bounded by the configured keys.
+    pub teams: teams::TeamSpend,
     /// The request path's process-wide counters, split by thread.
     counts: Sharded<Counters>,
 }
@@ -71,6 +74,7 @@ pub fn global() -> &'static Telemetry {
         handle: install(),
         stats: Stats::default(),
         alerts: alerts::Alerts::default(),
+        teams: teams::TeamSpend::default(),
         counts: Sharded::default(),
     })
 }
@@ -101,6 +105,15 @@ impl Telemetry {
     /// at start and after each good reload.
     pub fn configure(&self, policy: &Policy) {
         self.alerts.configure(&policy.alerts);
+        self.configure_teams(policy);
+    }
+
+    /// Adds the spend counters of the teams `policy`'s keys name (start and each good
+    /// reload; teams are never removed, so a counter never goes back).
+    pub fn configure_teams(&self, policy: &Policy) {
+        let keys = &policy.identity.virtual_keys;
+        self.teams
+            .configure(keys.iter().filter_map(|k| k.team.as_ref()));
     }
 
     /// The Prometheus text of every metric: the recorder's (none when another recorder is
@@ -153,6 +166,7 @@ impl Telemetry {
             |s| &s.overhead,
         );
         self.stats.render(&mut out);
+        self.teams.render(&mut out);
         out
     }
 }
@@ -221,6 +235,7 @@ fn record(entry: &Entry, overhead: bool, today: UsageWindows, alerts: &AlertsCfg
         && rec.attempts.iter().any(|a| a.backend == rec.backend);
     if served {
         let model = rec.upstream_model.as_deref().unwrap_or("unknown");
+        let micros = crate::units::usd_to_micros(rec.cost_usd);
         // The served attempt's look-up is the thread's kept one (`Stats::with_backend`).
         t.stats.with_backend(&rec.backend, |b| {
             b.usage(
@@ -228,9 +243,15 @@ fn record(entry: &Entry, overhead: bool, today: UsageWindows, alerts: &AlertsCfg
                 model,
                 rec.actual_input_tokens,
                 rec.actual_output_tokens,
-                crate::units::usd_to_micros(rec.cost_usd),
+                micros,
             )
         });
+        t.teams.add(
+            rec.team.as_deref(),
+            rec.actual_input_tokens,
+            rec.actual_output_tokens,
+            micros,
+        );
     }
     if rec.usage_over_reservation {
         metrics::counter!(names::TOLLGATE_USAGE_OVER_RESERVATION_TOTAL, "backend" => rec.backend.to_string())

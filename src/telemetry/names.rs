@@ -48,6 +48,11 @@ pub const TOLLGATE_USAGE_OVER_RESERVATION_TOTAL: &str = "tollgate_usage_over_res
 /// while) and `closed_idle` (a reused connection closed before any answer byte: the request
 /// went again on a fresh connection).
 pub const TOLLGATE_UPSTREAM_WIRE_FAULTS_TOTAL: &str = crate::wire::pool::WIRE_FAULTS_TOTAL;
+/// counter {team, direction}: committed actual tokens by the caller's team (configured
+/// keys' teams, `none`, `other`).
+pub const TOLLGATE_TEAM_TOKENS_TOTAL: &str = "tollgate_team_tokens_total";
+/// counter {team}: committed cost in USD by the caller's team.
+pub const TOLLGATE_TEAM_COST_USD_TOTAL: &str = "tollgate_team_cost_usd_total";
 /// counter {reason}: finished spans the OTLP export dropped (`queue_full`, `export_failed`).
 pub const TOLLGATE_OTEL_DROPPED_SPANS_TOTAL: &str = "tollgate_otel_dropped_spans_total";
 
@@ -74,6 +79,9 @@ pub const TOLLGATE_OVERHEAD_SECONDS_HELP: &str = "Time spent in the sidecar itse
 pub const TOLLGATE_DECISIONS_TOTAL_HELP: &str =
     "Governed requests by final action and reason class";
 pub const AI_COST_USD_TOTAL_HELP: &str = "Committed cost in US dollars by backend";
+pub const TOLLGATE_TEAM_TOKENS_TOTAL_HELP: &str = "Committed actual tokens by the caller's team (a configured key's team, none, or other) and direction";
+pub const TOLLGATE_TEAM_COST_USD_TOTAL_HELP: &str =
+    "Committed cost in US dollars by the caller's team (a configured key's team, none, or other)";
 
 /// Registers help text and units with the recorder in force (the metrics it renders).
 pub fn describe() {
