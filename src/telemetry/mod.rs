@@ -236,6 +236,13 @@ fn record(entry: &Entry, overhead: bool, today: UsageWindows, alerts: &AlertsCfg
         metrics::counter!(names::TOLLGATE_USAGE_OVER_RESERVATION_TOTAL, "backend" => rec.backend.to_string())
             .increment(1);
     }
+    for (i, l) in rec.shadow.iter().enumerate() {
+        // Once per bound and request, though a glob bound may note several ids.
+        if rec.shadow[..i].iter().all(|p| p.name != l.name) {
+            metrics::counter!(names::TOLLGATE_SHADOW_REFUSALS_TOTAL, "bound" => l.name.to_string())
+                .increment(1);
+        }
+    }
     if !rec.alerts.is_empty() {
         let _dropped = t.alerts.emit(alerts, rec, &entry.ts);
     }
