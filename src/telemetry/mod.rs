@@ -36,6 +36,9 @@ pub struct Telemetry {
     pub alerts: alerts::Alerts,
     /// The request path's process-wide counters, split by thread.
     counts: Sharded<Counters>,
+    /// Bounds whose exhaustion gauge has been set (cleared to NaN when their forecast ends);
+    /// touched by the forecast timer only.
+    forecast_gauges: std::sync::Mutex<Vec<std::sync::Arc<str>>>,
 }
 
 /// One thread's copy of the process-wide counters every request adds to.
@@ -72,6 +75,7 @@ pub fn global() -> &'static Telemetry {
         stats: Stats::default(),
         alerts: alerts::Alerts::default(),
         counts: Sharded::default(),
+        forecast_gauges: Default::default(),
     })
 }
 
@@ -154,6 +158,69 @@ impl Telemetry {
         );
         self.stats.render(&mut out);
         out
+    }
+}
+
+/// Publishes a forecast tick (`Governor::forecast_tick`): sends the alerts it marked, and sets
+/// `tollgate_bound_projected_exhaustion_seconds{bound}` to the soonest exhaustion of each
+/// bound (over its ids); a bound forecast before and not now is set to NaN, which no
+/// threshold rule matches. Runs on the sidecar's forecast timer, never on a request.
+pub fn publish_forecasts(
+    policy: &Policy,
+    forecasts: &[crate::governor::forecast::BoundForecast],
+    now: crate::units::Millis,
+) {
+    use crate::governor::limits::rfc3339_in;
+    let t = global();
+    let tz = &policy.windows.timezone;
+    let ts = rfc3339_in(tz, now).unwrap_or_default();
+    let mut soonest: std::collections::HashMap<&str, u64> = Default::default();
+    for f in forecasts {
+        let b = &policy.bounds[f.bound];
+        let Some(secs) = f.projection.seconds_from(now) else {
+            continue;
+        };
+        let e = soonest.entry(&b.name).or_insert(secs);
+        *e = (*e).min(secs);
+        if !f.alert {
+            continue;
+        }
+        let alert = alerts::ForecastAlert {
+            bound: &b.name,
+            class: b.class.as_str(),
+            scope: f.key.scope.as_str(),
+            id: &f.key.id,
+            window: f.key.window.map(|w| w.window.as_str()),
+            window_start: f.key.window.map(|w| w.start),
+            dim: f.dim.as_str(),
+            used: f.used,
+            limit: f.limit,
+            per_hour_1h: f.projection.per_hour_1h,
+            per_hour_24h: f.projection.per_hour_24h,
+            exhausts_at: f
+                .projection
+                .exhausts_at_ms
+                .and_then(|ms| rfc3339_in(tz, ms))
+                .unwrap_or_default(),
+            projected_exhaustion_seconds: secs,
+            resets_at: rfc3339_in(tz, f.window_end_ms).unwrap_or_default(),
+        };
+        t.alerts
+            .emit_forecast(&policy.alerts, &alert, &policy.version, &ts);
+    }
+    let mut shown = t.forecast_gauges.lock().unwrap_or_else(|e| e.into_inner());
+    for name in shown.iter() {
+        if !soonest.contains_key(&**name) {
+            metrics::gauge!(TOLLGATE_BOUND_PROJECTED_EXHAUSTION_SECONDS, "bound" => name.to_string())
+                .set(f64::NAN);
+        }
+    }
+    for (name, secs) in &soonest {
+        metrics::gauge!(TOLLGATE_BOUND_PROJECTED_EXHAUSTION_SECONDS, "bound" => name.to_string())
+            .set(*secs as f64);
+        if !shown.iter().any(|n| &**n == *name) {
+            shown.push(std::sync::Arc::from(*name));
+        }
     }
 }
 
