@@ -300,7 +300,7 @@ pub fn status(app: &App, ops: &Ops) -> Value {
                 Dim::Usd => json!(micros_to_usd(v)),
                 _ => json!(v),
             };
-            json!({
+            let mut row = json!({
                 "name": &*b.name,
                 "class": b.class.as_str(),
                 "scope": b.scope.as_str(),
@@ -321,7 +321,15 @@ pub fn status(app: &App, ops: &Ops) -> Value {
                 "alert_at": &b.alert_at,
                 "reserved_tokens": u.reserved_tokens,
                 "state": state,
-            })
+            });
+            let counter = app.governor.ledger.get(&u.key);
+            let projection = counter
+                .as_deref()
+                .and_then(|c| app.governor.forecast(policy, b, (&u.key, c), u.dim, now_ms));
+            crate::proxy::limits_view::forecast_fields(
+                &mut row, policy, b, u.dim, projection, now_ms,
+            );
+            row
         })
         .collect();
 

@@ -107,6 +107,9 @@ fn record(w: &mut Line<'_>, r: &Record) -> io::Result<()> {
     if let Some(l) = &r.limit {
         w.serde(k!("limit"), l)?;
     }
+    if !r.shadow.is_empty() {
+        w.serde(k!("shadow"), &r.shadow)?;
+    }
     if !r.alerts.is_empty() {
         w.serde(k!("alerts"), &r.alerts)?;
     }

@@ -444,13 +444,60 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
     ) -> Result<Reservation, Flow> {
         let (all, amount, now) = (&ask.all, ask.amount, ask.now);
         match self.gov.reserve_all(self.policy, all, amount, now).await {
-            Ok(reservation) => Ok(reservation),
+            Ok(reservation) => {
+                self.shadow_check(walk, ask);
+                Ok(reservation)
+            }
             // The shared store cannot say whether this fits: fail closed, and no other
             // entry can do better (they need the same store).
             Err(ReserveError::Unavailable) => Err(walk.halt(Halt::StateUnavailable)),
             Err(ReserveError::Rebuilding) => Err(walk.halt(Halt::StateRebuilding)),
             Err(ReserveError::Refused(refusal)) => {
                 Err(self.refused(walk, entry, tries, ask, refusal))
+            }
+        }
+    }
+
+    /// Shadow bounds (SPEC §9): with this try's worst case now held, notes each one whose
+    /// hard limit it crossed, with the `limit` object an enforced bound would have returned.
+    /// Once per bound and id, however many tries the request makes.
+    fn shadow_check(&self, walk: &mut Walk, ask: &Ask<'_>) {
+        for part in &ask.all {
+            for &bi in &part.bounds {
+                let bound = &self.policy.bounds[bi];
+                if !bound.is_shadow() {
+                    continue;
+                }
+                let used = part.counter.used();
+                for d in Dim::ALL {
+                    let Some(limit) = bound.hard.get(d) else {
+                        continue;
+                    };
+                    let (now, asked) = (used.get(d), ask.amount.get(d));
+                    if now <= limit {
+                        continue;
+                    }
+                    let rec = &mut walk.rec;
+                    if rec
+                        .shadow
+                        .iter()
+                        .any(|l| l.name == bound.name && l.id == part.key.id)
+                    {
+                        break;
+                    }
+                    let would = limits::Refused {
+                        bound,
+                        part,
+                        dim: d,
+                        used_total: now.saturating_sub(asked),
+                        limit,
+                        requested: asked,
+                        never_fits: asked > limit,
+                    };
+                    rec.shadow
+                        .push(limits::detail(self.policy, &self.windows, &would));
+                    break;
+                }
             }
         }
     }
@@ -1172,6 +1219,9 @@ fn soft_crossed(policy: &Policy, parts: &[PartInfo]) -> bool {
     parts.iter().any(|p| {
         let committed = p.counter.committed();
         p.bounds.iter().any(|&b| {
+            if policy.bounds[b].is_shadow() {
+                return false;
+            }
             let soft = policy.bounds[b].soft.as_array();
             Dim::ALL
                 .iter()

@@ -175,7 +175,8 @@ pub fn token_limits(policy: &Policy, windows: &WindowSet, parts: &[&PartInfo]) -
         let mut used = None;
         for &bi in &p.bounds {
             let b = &policy.bounds[bi];
-            let Some(limit) = b.hard.tokens else {
+            // The headers describe what is enforced; a shadow bound refuses nobody.
+            let Some(limit) = b.hard.tokens.filter(|_| !b.is_shadow()) else {
                 continue;
             };
             let u = *used.get_or_insert_with(|| p.counter.used().tokens);

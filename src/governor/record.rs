@@ -303,6 +303,10 @@ pub struct RecordFields {
     /// The bound that refused this request, as the client reads it (SPEC §3.2).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub limit: Option<super::limits::LimitDetail>,
+    /// Shadow bounds (`enforce: shadow`) this request crossed: the `limit` object each would
+    /// have refused it with (SPEC §9). Empty (no allocation) as a rule.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub shadow: Vec<super::limits::LimitDetail>,
     /// The token bounds of the admitted call, for the rate-limit headers (not audited).
     #[serde(skip)]
     pub token_limits: Vec<super::limits::TokenLimit>,
@@ -387,6 +391,7 @@ impl Record {
                 attempts: smallvec::SmallVec::new(),
                 refusals: Vec::new(),
                 limit: None,
+                shadow: Vec::new(),
                 token_limits: Vec::new(),
                 alerts: Vec::new(),
                 error: None,

@@ -135,6 +135,16 @@ impl V<'_> {
         out
     }
 
+    /// `enforce`: `hard` (the default) or `shadow`.
+    fn enforce(&mut self, f: usize, path: String, v: &Option<String>) -> Enforce {
+        match v {
+            None => Enforce::Hard,
+            Some(s) => self
+                .one_of(f, &path, s, &Enforce::ALL.map(|e| (e.as_str(), e)))
+                .unwrap_or_default(),
+        }
+    }
+
     pub(super) fn limit(&mut self, it: &Item<RawLimit>, class: BoundClass, known: &Known) -> Bound {
         let (f, l) = (it.file, &it.v);
         let path = format!(
@@ -175,6 +185,7 @@ impl V<'_> {
             );
         }
         let alert_at = self.alerts(f, p("alert_at"), &l.alert_at);
+        let enforce = self.enforce(f, p("enforce"), &l.enforce);
         Bound {
             name: name.into(),
             class,
@@ -184,6 +195,7 @@ impl V<'_> {
             hard,
             soft: Limits::default(),
             alert_at,
+            enforce,
         }
     }
 
@@ -237,6 +249,7 @@ impl V<'_> {
             }
         }
         let alert_at = self.alerts(f, p("alert_at"), &b.alert_at);
+        let enforce = self.enforce(f, p("enforce"), &b.enforce);
         Bound {
             name: name.into(),
             class: BoundClass::Budget,
@@ -246,6 +259,7 @@ impl V<'_> {
             hard,
             soft,
             alert_at,
+            enforce,
         }
     }
 }

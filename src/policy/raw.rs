@@ -218,6 +218,7 @@ pub struct RawLimit {
     pub limit_requests: Option<u64>,
     pub limit_usd: Option<f64>,
     pub alert_at: Option<Vec<f64>>,
+    pub enforce: Option<String>,
 }
 
 /// An entry of `budgets`.
@@ -236,6 +237,7 @@ pub struct RawBudget {
     pub hard_usd: Option<f64>,
     pub soft_usd: Option<f64>,
     pub alert_at: Option<Vec<f64>>,
+    pub enforce: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -276,6 +276,8 @@ fn validation_errors() {
         (format!("{m}quotas:\n  - {{name: q, scope: consumer, window: week, limit_tokens: 9}}\n"), "quotas[0].window", 10, "expected one of minute"),
         (format!("{m}quotas:\n  - {{name: q, scope: backend, match: gemni, window: day, limit_tokens: 9}}\n"), "quotas[0].match", 10, "no backend with id `gemni`"),
         (format!("{m}budgets:\n  - {{name: b, scope: job, soft_tokens: 5}}\n"), "budgets[0]", 10, "at least one hard limit"),
+        (format!("{m}quotas:\n  - {{name: q, scope: global, window: day, limit_tokens: 9, enforce: soft}}\n"), "quotas[0].enforce", 10, "expected one of hard, shadow"),
+        (format!("{m}budgets:\n  - {{name: b, scope: job, hard_tokens: 5, enforce: dry-run}}\n"), "budgets[0].enforce", 10, "expected one of hard, shadow"),
         (format!("{m}budgets:\n  - name: b\n    scope: job\n    hard_tokens: 5\n    soft_tokens: 6\n"), "budgets[0].soft_tokens", 13, "must not exceed hard_tokens"),
         (format!("{m}budgets:\n  - {{name: b, scope: job, hard_usd: 1}}\nrate_limits:\n  - {{name: b, scope: job, limit_tokens: 1}}\n"), "budgets[0].name", 10, "duplicate bound name `b`"),
         (format!("{m}identity:\n  virtual_keys:\n    - {{consumer: web}}\n"), "identity.virtual_keys[0].key_env", 11, "is required"),

@@ -409,6 +409,36 @@ pub struct Bound {
     pub soft: Limits,
     /// Fractions of the hard limit at which an alert fires once per window.
     pub alert_at: Vec<f64>,
+    /// `enforce`: whether the hard limits refuse (`hard`) or are only reported (`shadow`).
+    pub enforce: Enforce,
+}
+
+impl Bound {
+    /// A shadow bound is counted like any other but never refuses, lowers an output cap or
+    /// shows in the rate-limit headers: it only reports what it would have done.
+    pub fn is_shadow(&self) -> bool {
+        self.enforce == Enforce::Shadow
+    }
+}
+
+/// `enforce` on a rate limit, quota or budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Enforce {
+    /// The default: the hard limits refuse.
+    #[default]
+    Hard,
+    /// Counted, never refuses; a request it would have refused is marked (SPEC §9).
+    Shadow,
+}
+
+impl Enforce {
+    pub const ALL: [Enforce; 2] = [Enforce::Hard, Enforce::Shadow];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Enforce::Hard => "hard",
+            Enforce::Shadow => "shadow",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -182,6 +182,24 @@ pub fn stamp(f: &mut impl Fields, limits: &[TokenLimit]) {
     }
 }
 
+/// `x-tollgate-shadow`: the shadow bounds that would have refused this request (SPEC §9),
+/// comma-separated. Nothing is written (or allocated) when there are none.
+pub fn stamp_shadow(f: &mut impl Fields, shadow: &[crate::governor::limits::LimitDetail]) {
+    let Some((first, rest)) = shadow.split_first() else {
+        return;
+    };
+    let mut v = String::with_capacity(16 * shadow.len());
+    v.push_str(&first.name);
+    for l in rest {
+        // One name per bound, though a glob bound may note several ids.
+        if !v.split(", ").any(|n| n == &*l.name) {
+            v.push_str(", ");
+            v.push_str(&l.name);
+        }
+    }
+    f.put(Stamp::Shadow, v.as_bytes());
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

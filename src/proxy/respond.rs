@@ -342,6 +342,7 @@ pub fn fields(f: &mut impl Fields, rec: &Record, snap: &Snapshot) {
     f.put(Stamp::Backend, rec.backend.as_bytes());
     f.put_known(Stamp::PolicyVersion, snap.version_header.as_bytes());
     super::limit_headers::stamp(f, &rec.token_limits);
+    super::limit_headers::stamp_shadow(f, &rec.shadow);
 }
 
 /// The OpenAI-style error response for a refusal, stamped with the record.

@@ -24,10 +24,11 @@ pub enum Stamp {
     ResetTokens,
     RateLimitPolicy,
     RateLimit,
+    Shadow,
 }
 
 /// The names of the stamped fields, in [`Stamp`]'s order.
-static NAMES: [HeaderName; 10] = [
+static NAMES: [HeaderName; 11] = [
     HeaderName::from_static("x-tollgate-request-id"),
     HeaderName::from_static("x-tollgate-action"),
     HeaderName::from_static("x-tollgate-reason"),
@@ -38,6 +39,7 @@ static NAMES: [HeaderName; 10] = [
     HeaderName::from_static("x-ratelimit-reset-tokens"),
     HeaderName::from_static("ratelimit-policy"),
     HeaderName::from_static("ratelimit"),
+    HeaderName::from_static("x-tollgate-shadow"),
 ];
 
 impl Stamp {

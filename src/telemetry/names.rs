@@ -53,6 +53,13 @@ pub const TOLLGATE_UPSTREAM_WIRE_FAULTS_TOTAL: &str = crate::wire::pool::WIRE_FA
 pub const TOLLGATE_TEAM_TOKENS_TOTAL: &str = "tollgate_team_tokens_total";
 /// counter {team}: committed cost in USD by the caller's team.
 pub const TOLLGATE_TEAM_COST_USD_TOTAL: &str = "tollgate_team_cost_usd_total";
+/// counter {bound}: requests a shadow bound (`enforce: shadow`) would have refused; bound
+/// names come from the policy.
+pub const TOLLGATE_SHADOW_REFUSALS_TOTAL: &str = "tollgate_shadow_refusals_total";
+/// gauge {bound}: seconds until a windowed bound's hard limit is reached at its burn rate,
+/// set while that falls before the window turns (and 0 once the forecast clears).
+pub const TOLLGATE_BOUND_PROJECTED_EXHAUSTION_SECONDS: &str =
+    "tollgate_bound_projected_exhaustion_seconds";
 /// counter {reason}: finished spans the OTLP export dropped (`queue_full`, `export_failed`).
 pub const TOLLGATE_OTEL_DROPPED_SPANS_TOTAL: &str = "tollgate_otel_dropped_spans_total";
 
@@ -112,6 +119,16 @@ pub fn describe() {
     describe_gauge!(
         TOLLGATE_POLICY_INFO,
         "1 for the policy version in force, 0 for versions replaced since start"
+    );
+    describe_counter!(
+        TOLLGATE_SHADOW_REFUSALS_TOTAL,
+        Unit::Count,
+        "Requests a shadow bound (enforce: shadow) would have refused, by bound"
+    );
+    describe_gauge!(
+        TOLLGATE_BOUND_PROJECTED_EXHAUSTION_SECONDS,
+        Unit::Seconds,
+        "Seconds until a windowed bound's hard limit is hit at its trailing burn rate, while that is before the window turns"
     );
     describe_counter!(
         TOLLGATE_ALERTS_TOTAL,
