@@ -432,7 +432,7 @@ routes:
   - model: chat
     chain: [{{backend: tv-ok, model: small}}]
 budgets:
-  - {{name: tv-team, scope: team, match: "team-*", window: month, hard_usd: 0.06, soft_usd: 0.01}}
+  - {{name: tv-team, scope: team, match: "team-*", window: month, hard_usd: 0.059, soft_usd: 0.01}}
   - {{name: tv-roomy, scope: team, match: "team-*", window: month, hard_usd: 100, soft_usd: 0.01}}
 "#,
         ok = ok.base_url()
@@ -474,7 +474,8 @@ async fn team_budgets_have_per_id_rows_and_a_full_one_is_exhausted() {
         (j!(true), j!("team-*"))
     );
     assert_eq!(b["used"], 0.0575);
-    // $0.0025 left: past the soft limit, and too little for the smallest request.
+    // $0.0015 left: past the soft limit, and too little for the smallest request (one input
+    // and one output token: $0.002).
     assert_eq!(b["state"], "exhausted", "{b:#}");
     // The same use under a bound with room: past its soft limit only.
     let roomy = st["limits"]

@@ -76,19 +76,13 @@ impl Use {
     }
 }
 
-/// The smallest worst case any request reserves, per dimension: one input token and the
-/// smallest output allowance the policy gives a request that sets none (a clamp's floor when
-/// the policy clamps), on the cheapest chain entry. Below this room a hard bound refuses
-/// every request, so it is shown exhausted, not merely past its soft limit.
+/// The smallest worst case any request can reserve, per dimension: one input token and one
+/// output token (a client may cap its output at 1), on the cheapest chain entry. Below this
+/// room a hard bound refuses every request, so it is shown exhausted, not merely past its soft
+/// limit. (A bound with more room may still refuse a request with a larger cap: that one is
+/// past its soft limit, not exhausted.)
 fn smallest_request(policy: &Policy) -> [u64; 3] {
-    let out = policy
-        .routes
-        .iter()
-        .map(|r| r.default_output_cap(&policy.estimate))
-        .chain(policy.degrade.clamp_min_output_tokens)
-        .min()
-        .unwrap_or(policy.estimate.default_max_output_tokens);
-    let out = u64::from(out);
+    let out = 1;
     let usd = policy
         .routes
         .iter()
