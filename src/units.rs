@@ -146,7 +146,7 @@ pub fn usd_decimal(m: Micros, buf: &mut [u8; 28]) -> &str {
         buf[len] = b'.';
         len += 1;
         let mut digits = 6;
-        while frac % 10 == 0 {
+        while frac.is_multiple_of(10) {
             frac /= 10;
             digits -= 1;
         }
