@@ -148,6 +148,13 @@ pub fn check(path: Option<&std::path::Path>, print_default: bool) -> u8 {
     match load_policy(path) {
         Ok(p) => {
             println!("{}", policy::summary(&p));
+            // Where the policy is checked (CI) its keys are often not set: a warning, not a
+            // failure. Only the variable's name is printed, never its value.
+            for (consumer, env) in policy::unset_key_envs(&p) {
+                eprintln!(
+                    "warning: identity.virtual_keys: ${env} (consumer {consumer}) is unset or empty: that consumer cannot authenticate"
+                );
+            }
             println!("ok: {}", p.source);
             EXIT_OK
         }

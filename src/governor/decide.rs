@@ -24,7 +24,7 @@ use super::upstream::{CallResult, CallSpec, Clock, Failure, FailureClass, Skip, 
 use super::{Governor, Outcome, Pending, RequestCtx, Served};
 use crate::ledger::{JobLedger, Refusal, Reservation, WindowSet};
 use crate::policy::{Backend, BoundClass, ChainEntry, Policy, Price, Route};
-use crate::units::{micros_to_usd, Amount, Dim, Millis};
+use crate::units::{micros_to_usd, Amount, Dim, Millis, Scope};
 use std::sync::Arc;
 
 /// Retry-After given when the shared state store does not answer.
@@ -62,6 +62,9 @@ struct RequestBlock {
     /// A rate limit or quota (not a budget) refused: the payer is blocked, so no static
     /// answer hides that.
     payer: bool,
+    /// A budget of whoever pays (consumer, team, job, global) refused: a spent budget, which
+    /// the static answer does not disguise unless the route says `static_on_budget`.
+    spend: bool,
     /// The bound is smaller than this request's own worst case: waiting cannot help, so it
     /// is never DEFER (SPEC §3.2).
     never_fits: bool,
@@ -965,7 +968,12 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
         let payer_blocked = block.is_some_and(|b| b.payer);
         if backend_trouble && !payer_blocked && self.ctx.static_ok {
             if let Some(text) = &self.route.static_response {
-                return Conclusion::Static(text.clone());
+                if !block.is_some_and(|b| b.spend) || self.route.static_on_budget {
+                    return Conclusion::Static(text.clone());
+                }
+                // A spent budget is not an outage (SPEC §10): it is refused as what it is.
+                // Not deferred: a route with a static answer does not make its clients wait.
+                return Conclusion::HardStop;
             }
         }
         let hinted = walk.wait_hint_ms.is_some();
@@ -1080,17 +1088,19 @@ impl Walk {
     }
 
     fn block_request(&mut self, r: &limits::Refused<'_>) {
-        let (payer, never_fits) = self
+        let (payer, spend, never_fits) = self
             .request_block
-            .map_or((false, false), |b| (b.payer, b.never_fits));
+            .map_or((false, false, false), |b| (b.payer, b.spend, b.never_fits));
         let by_payer = match r.bound.class {
             BoundClass::RateLimit | BoundClass::Quota => true,
             BoundClass::Budget => false,
         };
+        let by_spend = r.bound.class == BoundClass::Budget && r.bound.scope != Scope::Request;
         self.request_block = Some(RequestBlock {
             dim: r.dim,
             asked: r.requested,
             payer: payer || by_payer,
+            spend: spend || by_spend,
             never_fits: never_fits || r.never_fits,
         });
     }

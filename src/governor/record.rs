@@ -170,14 +170,14 @@ fn is_one(n: &u32) -> bool {
     *n == 1
 }
 
-/// A bound that refused or was checked, for the audit record.
-#[derive(Debug, Clone, Serialize)]
+/// A bound that refused or was checked, for the audit record. Its usd amounts are held in
+/// micro-dollars and written in dollars, like every other amount of the record.
+#[derive(Debug, Clone)]
 pub struct BoundNote {
     pub name: Arc<str>,
     pub class: &'static str,
     pub scope: &'static str,
     pub id: Arc<str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub window: Option<&'static str>,
     pub dim: &'static str,
     pub used: u64,
@@ -185,6 +185,35 @@ pub struct BoundNote {
     pub asked: u64,
     /// Which backend's attempt was refused.
     pub backend: Arc<str>,
+}
+
+impl Serialize for BoundNote {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let usd = self.dim == "usd";
+        let mut m = s.serialize_map(None)?;
+        m.serialize_entry("name", &*self.name)?;
+        m.serialize_entry("class", self.class)?;
+        m.serialize_entry("scope", self.scope)?;
+        m.serialize_entry("id", &*self.id)?;
+        if let Some(w) = self.window {
+            m.serialize_entry("window", w)?;
+        }
+        m.serialize_entry("dim", self.dim)?;
+        for (k, v) in [
+            ("used", self.used),
+            ("limit", self.limit),
+            ("asked", self.asked),
+        ] {
+            if usd {
+                m.serialize_entry(k, &crate::units::micros_to_usd(v))?;
+            } else {
+                m.serialize_entry(k, &v)?;
+            }
+        }
+        m.serialize_entry("backend", &*self.backend)?;
+        m.end()
+    }
 }
 
 /// One `alert_at` threshold crossed by a request's committed usage.

@@ -208,18 +208,10 @@ pub fn forecast_fields(
     );
 }
 
-/// Micro-dollars as `$1,234.56` (cents, rounded up so a sliver of use never shows as $0.00).
+/// Micro-dollars as people read them (`$1,234.57`, `$0.000096`): below a dollar every
+/// non-zero digit is kept, so $0.000096 of $0.0001 never reads as "$0.01 of $0.01".
 pub fn dollars(micros: u64) -> String {
-    let cents = micros.div_ceil(10_000);
-    let whole = (cents / 100).to_string();
-    let mut grouped = String::with_capacity(whole.len() + whole.len() / 3);
-    for (i, c) in whole.chars().enumerate() {
-        if i > 0 && (whole.len() - i).is_multiple_of(3) {
-            grouped.push(',');
-        }
-        grouped.push(c);
-    }
-    format!("${grouped}.{:02}", cents % 100)
+    crate::units::fmt_usd(micros)
 }
 
 /// A window end as RFC 3339 with the policy zone's offset.
@@ -252,9 +244,11 @@ mod tests {
     use super::dollars;
 
     #[test]
-    fn dollars_are_grouped_and_rounded_up_to_the_cent() {
+    fn dollars_are_grouped_and_small_amounts_keep_their_digits() {
         assert_eq!(dollars(0), "$0.00");
-        assert_eq!(dollars(1), "$0.01");
+        assert_eq!(dollars(1), "$0.000001");
+        assert_eq!(dollars(96), "$0.000096");
+        assert_eq!(dollars(100), "$0.0001");
         assert_eq!(dollars(49_450_000), "$49.45");
         assert_eq!(dollars(1_234_567_890_000), "$1,234,567.89");
         assert_eq!(dollars(50_000_000), "$50.00");
