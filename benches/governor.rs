@@ -20,7 +20,7 @@ use tollgate::policy::Backend;
 const POLICY: &str = r#"
 version: bench
 backends:
-  - {id: ollama, kind: openai, base_url: "http://127.0.0.1:11434/v1"}
+  - {id: ollama, kind: openai, base_url: "http://127.0.0.1:11434/v1", price_per_1k: {input: 0, output: 0}}
   - {id: gemini, kind: openai, base_url: "http://127.0.0.1:9/v1", price_per_1k: {input: 0.001, output: 0.001}}
   - {id: claude, kind: openai, base_url: "http://127.0.0.1:10/v1", price_per_1k: {input: 0.008, output: 0.008}}
 routes:
