@@ -1,5 +1,6 @@
-//! The command line: `serve`, `check`, `test`, `usage`. Each command returns an exit code:
-//! 0 ok, 1 a scenario mismatch or an unreadable usage log, 2 invalid input.
+//! The command line: `serve`, `check`, `test`, `usage`, `replay`. Each command returns an exit
+//! code: 0 ok, 1 a scenario mismatch, an unreadable usage log or (`replay --fail-on-change`) a
+//! changed decision, 2 invalid input.
 
 use crate::policy;
 use crate::scenario::{self, ScenarioResult};
@@ -49,8 +50,34 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Today's tokens and month-to-date cost per provider and consumer, from the usage log.
+    /// Today's tokens and month-to-date cost per provider and consumer (or per team,
+    /// consumer, backend or model with --by), from the usage log or the JSONL audit.
     Usage(UsageArgs),
+    /// Re-decide recorded traffic (JSONL audit files) under a candidate policy.
+    Replay(ReplayArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ReplayArgs {
+    /// The candidate policy (file or directory).
+    #[arg(long)]
+    pub policy: PathBuf,
+    /// JSONL audit files, rotated ones and `.gz` included, in any order.
+    #[arg(required = true)]
+    pub audit: Vec<PathBuf>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Exit 1 when any decision changes (to gate a policy change in CI).
+    #[arg(long)]
+    pub fail_on_change: bool,
+    /// Report on requests that came in from this time on (RFC 3339); earlier ones still fill
+    /// the counters.
+    #[arg(long)]
+    pub from: Option<String>,
+    /// Leave out requests that came in at or after this time (RFC 3339).
+    #[arg(long)]
+    pub to: Option<String>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -94,6 +121,9 @@ pub struct UsageArgs {
     /// The usage-log table (default: the policy's audit.table).
     #[arg(long)]
     pub table: Option<String>,
+    /// Group by team, consumer, backend or model (default: providers and consumers).
+    #[arg(long, value_name = "team|consumer|backend|model")]
+    pub by: Option<crate::audit::report::By>,
     /// Print JSON instead of tables.
     #[arg(long)]
     pub json: bool,
@@ -118,6 +148,13 @@ pub fn check(path: Option<&std::path::Path>, print_default: bool) -> u8 {
     match load_policy(path) {
         Ok(p) => {
             println!("{}", policy::summary(&p));
+            // Where the policy is checked (CI) its keys are often not set: a warning, not a
+            // failure. Only the variable's name is printed, never its value.
+            for (consumer, env) in policy::unset_key_envs(&p) {
+                eprintln!(
+                    "warning: identity.virtual_keys: ${env} (consumer {consumer}) is unset or empty: that consumer cannot authenticate"
+                );
+            }
             println!("ok: {}", p.source);
             EXIT_OK
         }
@@ -349,7 +386,8 @@ fn start_audit(
     Ok((audit, Some(writer)))
 }
 
-/// `usage`: print today's tokens and month-to-date cost per provider and consumer.
+/// `usage`: print today's tokens and month-to-date cost per provider and consumer, or per
+/// the one grouping `--by` names.
 /// Exit 0 printed, 1 the log cannot be read, 2 bad policy or arguments.
 pub async fn usage(args: &UsageArgs) -> u8 {
     use crate::audit::report;
@@ -369,16 +407,20 @@ pub async fn usage(args: &UsageArgs) -> u8 {
     let tz = &p.windows.timezone;
     let tz_name = &p.windows.timezone_name;
     let now = jiff::Timestamp::now();
+    let by: &[report::By] = match &args.by {
+        Some(b) => std::slice::from_ref(b),
+        None => &report::By::DEFAULT,
+    };
     let pg = args.postgres.clone().or_else(|| {
         (args.db.is_none() && args.jsonl.is_none() && p.audit.sink == AuditSink::Postgres)
             .then(|| p.audit.postgres_url.clone())
             .flatten()
     });
     let res = match (pg, &args.jsonl) {
-        (Some(url), _) => report::from_postgres(&url, table, tz_name, tz, now).await,
-        (None, Some(file)) => jsonl_report(file, tz_name, tz, now),
+        (Some(url), _) => report::from_postgres(&url, table, by, tz_name, tz, now).await,
+        (None, Some(file)) => jsonl_report(file, by, tz_name, tz, now),
         (None, None) if args.db.is_none() && p.audit.sink == AuditSink::Jsonl => {
-            jsonl_report(std::path::Path::new(&p.audit.path), tz_name, tz, now)
+            jsonl_report(std::path::Path::new(&p.audit.path), by, tz_name, tz, now)
         }
         (None, None) if args.db.is_none() && p.audit.sink == AuditSink::Off => {
             eprintln!(
@@ -393,7 +435,7 @@ pub async fn usage(args: &UsageArgs) -> u8 {
                 .db
                 .clone()
                 .unwrap_or_else(|| PathBuf::from(&p.state.path));
-            report::from_sqlite(&db, table, tz_name, tz, now)
+            report::from_sqlite(&db, table, by, tz_name, tz, now)
         }
     };
     let text = match res {
@@ -419,6 +461,7 @@ pub async fn usage(args: &UsageArgs) -> u8 {
 /// The JSONL audit as a usage report; torn lines are skipped with a note on stderr.
 fn jsonl_report(
     file: &std::path::Path,
+    by: &[crate::audit::report::By],
     tz_name: &str,
     tz: &jiff::tz::TimeZone,
     now: jiff::Timestamp,
@@ -430,7 +473,7 @@ fn jsonl_report(
                 .into(),
         );
     }
-    let (r, skipped) = crate::audit::report::from_jsonl(file, tz_name, tz, now)?;
+    let (r, skipped) = crate::audit::report::from_jsonl(file, by, tz_name, tz, now)?;
     if skipped > 0 {
         eprintln!(
             "usage: {}: skipped {skipped} line(s) that are not audit records",
@@ -438,6 +481,73 @@ fn jsonl_report(
         );
     }
     Ok(r)
+}
+
+/// `replay`: print what the candidate policy would have decided for the recorded requests.
+/// Exit 0 printed, 1 a decision changed under `--fail-on-change`, 2 bad policy, file or time.
+pub async fn replay(args: &ReplayArgs) -> u8 {
+    use crate::replay;
+    let p = match policy::load(&args.policy) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("{e}");
+            return EXIT_INVALID;
+        }
+    };
+    let time = |flag: &str, v: &Option<String>| -> Result<Option<jiff::Timestamp>, String> {
+        v.as_deref()
+            .map(|s| {
+                s.parse::<jiff::Timestamp>()
+                    .map_err(|e| format!("replay: {flag}: not an RFC 3339 time ({s}): {e}"))
+            })
+            .transpose()
+    };
+    let period = match (time("--from", &args.from), time("--to", &args.to)) {
+        (Ok(from), Ok(to)) => replay::Period { from, to },
+        (Err(e), _) | (_, Err(e)) => {
+            eprintln!("{e}");
+            return EXIT_INVALID;
+        }
+    };
+    let read = match replay::read_all(&args.audit) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("replay: cannot read the audit: {e}");
+            return EXIT_INVALID;
+        }
+    };
+    if read.skipped > 0 {
+        eprintln!(
+            "replay: skipped {} line(s) that are not audit records",
+            read.skipped
+        );
+    }
+    if read.records.is_empty() && read.skipped > 0 {
+        eprintln!("replay: no audit records in the given files");
+        return EXIT_INVALID;
+    }
+    let report = replay::replay(&p, &read, period).await;
+    let text = if args.json {
+        match serde_json::to_string_pretty(&report) {
+            Ok(s) => s + "\n",
+            Err(e) => {
+                eprintln!("replay: {e}");
+                return EXIT_FAILURE;
+            }
+        }
+    } else {
+        replay::render(&report)
+    };
+    use std::io::Write;
+    let _ = std::io::stdout().lock().write_all(text.as_bytes());
+    if args.fail_on_change && report.changed > 0 {
+        eprintln!(
+            "replay: {} decision(s) change under {}",
+            report.changed, p.source
+        );
+        return EXIT_MISMATCH;
+    }
+    EXIT_OK
 }
 
 /// SIGTERM, SIGINT and SIGHUP, listened for from start-up on.

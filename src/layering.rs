@@ -12,6 +12,7 @@ const ORDER: &[&str] = &[
     "proxy",
     "telemetry",
     "audit",
+    "replay",
     "scenario",
     "dialect",
     "providers",

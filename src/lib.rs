@@ -1,7 +1,7 @@
 //! tollgate: a transparent reverse-proxy sidecar that governs what AI calls cost.
 //!
 //! Module graph (imports point down): `cli` → `sidecar` → `admin` → `proxy` → `telemetry`
-//! → `audit` → `scenario` → `dialect` → `providers` → `governor` → `state` → `stream` → `policy`
+//! → `audit` → `replay` → `scenario` → `dialect` → `providers` → `governor` → `state` → `stream` → `policy`
 //! → `ledger` → `estimate` → `units` → `wire`, `tls`, `body`, `jscan`. The governor is pure: no sockets, files or wall
 //! clock. `layering.rs` checks the order.
 #![forbid(unsafe_code)]
@@ -30,6 +30,7 @@ pub mod ledger;
 pub mod policy;
 pub mod providers;
 pub mod proxy;
+pub mod replay;
 pub mod scenario;
 pub mod sidecar;
 pub mod state;

@@ -32,6 +32,7 @@ fn main() -> ExitCode {
         } => cli::check(policy.as_deref(), print_default),
         Command::Test { files, json } => rt.block_on(cli::test(&files, json)),
         Command::Usage(args) => rt.block_on(cli::usage(&args)),
+        Command::Replay(args) => rt.block_on(cli::replay(&args)),
     };
     ExitCode::from(code)
 }

@@ -7,7 +7,7 @@ use crate::audit::Audit;
 use crate::governor::Governor;
 use crate::ledger::Ledger;
 use crate::proxy::handler::{handle, App};
-use crate::proxy::server::{serve, sweep};
+use crate::proxy::server::{forecast, serve, sweep};
 use crate::proxy::transport::Transport;
 use crate::proxy::{AppClock, Snapshot};
 use arc_swap::ArcSwap;
@@ -109,6 +109,7 @@ pub async fn start_clocked(
         None,
         move |req| admin::handle(a.clone(), o.clone(), req),
     ));
+    let forecaster = tokio::spawn(forecast(app.clone(), stop_rx.clone()));
     let sweeper = tokio::spawn(sweep(app.clone(), stop_rx));
     Ok(Running {
         addr,
@@ -116,7 +117,7 @@ pub async fn start_clocked(
         app,
         ops,
         stop,
-        tasks: vec![data_task, admin_task, sweeper],
+        tasks: vec![data_task, admin_task, sweeper, forecaster],
     })
 }
 

@@ -133,6 +133,32 @@ pub fn fmt_usd(m: Micros) -> String {
     format!("$0.{frac}")
 }
 
+/// Micro-dollars as an exact decimal number of dollars for machines (a header, JSON):
+/// `0.000096`, `1.5`, `12`, `0`. No float on the way, so no float noise; written into `buf`
+/// (no allocation).
+pub fn usd_decimal(m: Micros, buf: &mut [u8; 28]) -> &str {
+    let mut n = itoa::Buffer::new();
+    let whole = n.format(m / 1_000_000).as_bytes();
+    let mut len = whole.len();
+    buf[..len].copy_from_slice(whole);
+    let mut frac = m % 1_000_000;
+    if frac != 0 {
+        buf[len] = b'.';
+        len += 1;
+        let mut digits = 6;
+        while frac.is_multiple_of(10) {
+            frac /= 10;
+            digits -= 1;
+        }
+        for i in (0..digits).rev() {
+            buf[len + i] = b'0' + (frac % 10) as u8;
+            frac /= 10;
+        }
+        len += digits;
+    }
+    std::str::from_utf8(&buf[..len]).unwrap_or("0")
+}
+
 /// An amount in a dimension, for messages: `5,000 tokens`, `12 requests`, `$49.45`.
 pub fn fmt_amount(dim: Dim, v: u64) -> String {
     match dim {
@@ -301,6 +327,23 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn dollars_for_machines_are_exact_decimals() {
+        let mut b = [0u8; 28];
+        for (m, want) in [
+            (0, "0"),
+            (96, "0.000096"),
+            (1_500_000, "1.5"),
+            (12_000_000, "12"),
+            (49_450_000, "49.45"),
+            (100, "0.0001"),
+            (1_000_001, "1.000001"),
+            (u64::MAX, "18446744073709.551615"),
+        ] {
+            assert_eq!(usd_decimal(m, &mut b), want);
+        }
+    }
 
     #[test]
     fn timestamps_are_written_as_jiff_writes_them() {

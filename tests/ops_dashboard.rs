@@ -418,3 +418,133 @@ async fn dashboard_renders_the_status_numbers_in_headless_chromium() {
         Err(_) => panic!("sidecar still shared"),
     }
 }
+
+fn teams_policy(ok: &MockUpstream) -> String {
+    format!(
+        r#"version: teams-status-1
+identity:
+  virtual_keys:
+    - {{consumer: alice, team: team-a, key_sha256: "87844ec0b0d738e89628640588acaa48537b814a5c4f9697e3b352d11ffedaef"}}
+    - {{consumer: carol, team: team-b, key_sha256: "210e84269846b00ea00f3fd42c500d17c08b42ac0f6c27ebdb1fd1a07a2dfc84"}}
+backends:
+  - {{id: tv-ok, kind: openai, base_url: "{ok}", price_per_1k: {{input: 0.5, output: 1.5}}}}
+routes:
+  - model: chat
+    chain: [{{backend: tv-ok, model: small}}]
+budgets:
+  - {{name: tv-team, scope: team, match: "team-*", window: month, hard_usd: 0.059, soft_usd: 0.01}}
+  - {{name: tv-roomy, scope: team, match: "team-*", window: month, hard_usd: 100, soft_usd: 0.01}}
+"#,
+        ok = ok.base_url()
+    )
+}
+
+/// Issue 52 (team view): a `match: "team-*"` budget has a row per team in `/admin/status`;
+/// a team whose next request cannot fit shows `exhausted`, not `soft_exceeded`; spend is on
+/// the team metrics; a reload error stops being current after a good reload. Status JSON
+/// only: runs without Chromium.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn team_budgets_have_per_id_rows_and_a_full_one_is_exhausted() {
+    let ok = MockUpstream::start_with_default(vec![], Answer::ok_chat("fine", 40, 25)).await;
+    let yaml = teams_policy(&ok);
+    let sc = Sidecar::start(&yaml).await;
+    let admin = sc.running.admin_addr;
+    let body =
+        j!({"model": "chat", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 30});
+    let (code, _, answer) = post_json(
+        &sc.chat_url(),
+        &body,
+        &[("authorization", "Bearer key-carol")],
+    )
+    .await;
+    assert_eq!(code, 200, "{}", String::from_utf8_lossy(&answer));
+    let st = status(admin).await;
+    assert_eq!(st["limits_top_ids"], 10);
+    let rows: Vec<&Value> = st["limits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| l["name"] == "tv-team")
+        .collect();
+    assert_eq!(rows.len(), 1, "only team-b has a counter yet: {st:#}");
+    let b = rows[0];
+    assert_eq!(b["id"], "team-b");
+    assert_eq!(
+        (b["per_id"].clone(), b["match"].clone()),
+        (j!(true), j!("team-*"))
+    );
+    assert_eq!(b["used"], 0.0575);
+    // $0.0015 left: past the soft limit, and too little for the smallest request (one input
+    // and one output token: $0.002).
+    assert_eq!(b["state"], "exhausted", "{b:#}");
+    // The same use under a bound with room: past its soft limit only.
+    let roomy = st["limits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["name"] == "tv-roomy" && l["id"] == "team-b")
+        .unwrap_or_else(|| panic!("no tv-roomy row: {st:#}"));
+    assert_eq!(roomy["state"], "soft_exceeded", "{roomy:#}");
+    let (code, _, _) = post_json(
+        &sc.chat_url(),
+        &body,
+        &[("authorization", "Bearer key-carol")],
+    )
+    .await;
+    assert!(code >= 400, "team-b's next request is refused: {code}");
+    // Team-a gets its own row.
+    let (code, _, _) = post_json(
+        &sc.chat_url(),
+        &j!({"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+        &[("authorization", "Bearer key-alice")],
+    )
+    .await;
+    assert_eq!(code, 200);
+    let st = status(admin).await;
+    let ids: Vec<&Value> = st["limits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| l["name"] == "tv-team")
+        .map(|l| &l["id"])
+        .collect();
+    assert_eq!(
+        ids,
+        [&j!("team-a"), &j!("team-b")],
+        "most used first, then by id"
+    );
+    // Spend by team on /metrics (labels only for the configured keys' teams).
+    let (_, _, text) = common::get(&format!("http://{admin}/metrics")).await;
+    let text = String::from_utf8_lossy(&text);
+    assert!(
+        text.contains("tollgate_team_cost_usd_total{team=\"team-b\"} 0.0575"),
+        "{text}"
+    );
+    assert!(text.contains("tollgate_team_tokens_total{team=\"team-b\",direction=\"input\"} 40"));
+
+    // A rejected reload is current until a good one.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("policy.yaml");
+    std::fs::write(&path, "version: x\nbogus: 1\n").unwrap();
+    sc.running.ops.set_policy_path(path.clone());
+    assert!(sc
+        .running
+        .reload(tollgate::admin::Trigger::Api)
+        .await
+        .is_err());
+    let st = status(admin).await;
+    assert_eq!(st["policy"]["last_error"]["current"], true);
+    std::fs::write(&path, yaml.replace("teams-status-1", "teams-status-2")).unwrap();
+    assert!(sc
+        .running
+        .reload(tollgate::admin::Trigger::Api)
+        .await
+        .is_ok());
+    let st = status(admin).await;
+    assert_eq!(
+        st["policy"]["last_error"]["current"], false,
+        "{:#}",
+        st["policy"]
+    );
+    sc.stop().await;
+}

@@ -615,3 +615,113 @@ async fn an_older_table_gains_the_cache_split_and_dialect_columns() {
     assert_eq!(r.get::<_, String>(2), "anthropic");
     drop_table(&table).await;
 }
+
+/// `tollgate usage --by team` against Postgres (issue 52): a table written before the `team`
+/// column existed reads as team `-`; once the writer's DDL adds it, rows carry their team and
+/// money is summed in exact micro-dollars.
+#[tokio::test]
+async fn usage_by_team_reads_postgres_before_and_after_the_team_column() {
+    use tollgate::audit::postgres::{ddl, insert, insert_sql};
+    use tollgate::audit::{usage_row, Entry};
+    let _serial = SERIAL.lock().await;
+    let table = table("teams");
+    let c = client().await.expect("postgres up");
+    let entry = |i: usize, team: Option<&str>, cost: f64| {
+        let mut rec = tollgate::governor::Record::new(
+            "v".into(),
+            format!("t-{i}").into(),
+            "j".into(),
+            "carol".into(),
+            "chat".into(),
+        );
+        rec.backend = "primary".into();
+        rec.actual_input_tokens = 10;
+        rec.actual_output_tokens = 2;
+        rec.cost_usd = cost;
+        rec.team = team.map(Into::into);
+        usage_row(&Entry {
+            ts: jiff::Timestamp::now().to_string(),
+            endpoint: "chat.completions",
+            api: "openai",
+            latency_ms: 1.0,
+            record: rec,
+        })
+    };
+    // An older build's table: the DDL up to its added columns, and a row of its own.
+    let full = ddl(&table);
+    let old = &full[..full.find("ALTER TABLE").expect("the DDL adds columns")];
+    c.batch_execute(old).await.expect("old ddl");
+    c.execute(
+        &format!(
+            "INSERT INTO {table} (id, created_at, provider, model, input_tokens, output_tokens,
+                latency_ms, success, consumer, request_id, job_id, tried, route, policy_version,
+                estimated_input_tokens, requested_output_tokens, provenance, cost_usd, action,
+                reason, http_status, endpoint)
+             VALUES ('00000000-0000-4000-8000-000000000001', now(), 'primary', 'small-1', 10, 2,
+                1, true, 'alice', 'old', 'old', 'primary', 'chat', 'v0', 10, 5, 'ACTUAL', 0.25,
+                'ALLOW', 'OK', 200, 'chat.completions')"
+        ),
+        &[],
+    )
+    .await
+    .expect("old row");
+    let usage = |table: String| async move {
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+            .args([
+                "usage",
+                "--postgres",
+                URL,
+                "--table",
+                &table,
+                "--by",
+                "team",
+                "--json",
+            ])
+            .env_remove("TOLLGATE_POLICY")
+            .output()
+            .await
+            .expect("run tollgate");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (serde_json::from_str::<Value>(&text).expect("json"), text)
+    };
+    let (v, _) = usage(table.clone()).await;
+    assert_eq!(
+        v["teams"],
+        j!([{"name": "-", "requests_today": 1, "input_tokens_today": 10,
+            "output_tokens_today": 2, "cost_usd_month": 0.25}])
+    );
+
+    c.batch_execute(&full).await.expect("new ddl adds team");
+    let st = c.prepare(&insert_sql(&table)).await.expect("prepare");
+    let rows: Vec<_> = (0..3)
+        .map(|i| entry(i, Some("team-b"), 0.000032))
+        .chain([entry(3, Some("team-a"), 1.5), entry(4, None, 0.0)])
+        .collect();
+    assert_eq!(insert(&c, &st, &rows).await.expect("insert"), 5);
+    let (v, text) = usage(table.clone()).await;
+    let teams: Vec<(String, i64)> = v["teams"]
+        .as_array()
+        .expect("teams")
+        .iter()
+        .map(|t| {
+            (
+                t["name"].as_str().expect("name").to_owned(),
+                t["requests_today"].as_i64().expect("n"),
+            )
+        })
+        .collect();
+    assert_eq!(
+        teams,
+        [("-".into(), 2), ("team-a".into(), 1), ("team-b".into(), 3)]
+    );
+    assert!(
+        text.contains("\"cost_usd_month\": 0.000096"),
+        "an exact decimal:\n{text}"
+    );
+    drop_table(&table).await;
+}

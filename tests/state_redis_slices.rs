@@ -323,3 +323,52 @@ async fn during_an_outage_a_replica_spends_only_its_slice() {
     assert_eq!(redis_ct_ht(&rkey).await, (120, 0));
     common::redis_keys::delete_prefix(URL, &prefix).await;
 }
+
+/// (committed, held) tokens over the namespace's global counters on the machine's Redis.
+async fn global_ct_ht(namespace: &str) -> (u64, u64) {
+    let mut c = common::redis_keys::conn(URL).await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{{tollgate:{namespace}}}:c:global:*"))
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let mut sum = (0, 0);
+    for k in keys
+        .iter()
+        .filter(|k| !k.ends_with(":l") && !k.ends_with(":s"))
+    {
+        let (ct, ht) = redis_ct_ht(k).await;
+        sum = (sum.0 + ct, sum.1 + ht);
+    }
+    sum
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_sidecar_gives_its_slices_back() {
+    let mock = common::mock::MockUpstream::start_with_default(
+        vec![],
+        common::mock::Answer::ok_chat("hi", 7, 5),
+    )
+    .await;
+    let namespace = ns("stop");
+    let yaml = format!(
+        "version: slices-stop\nbackends:\n  - {{id: a, kind: openai, base_url: \"{}\"}}\nroutes:\n  - {{model: chat, chain: [{{backend: a, model: m}}]}}\nbudgets:\n  - {{name: cap, scope: global, window: month, hard_tokens: 1000000}}\nstate: {{backend: redis, redis_url: \"{URL}\", namespace: \"{namespace}\", slices: true}}\naudit: {{sink: \"off\"}}\n",
+        mock.base_url()
+    );
+    let sc = common::sidecar::Sidecar::start_shared(&yaml).await;
+    let body = serde_json::json!({"model": "chat", "max_tokens": 20,
+        "messages": [{"role": "user", "content": "hi"}]});
+    for _ in 0..3 {
+        let (st, _, b) = common::post_json(&sc.chat_url(), &body, &[]).await;
+        assert_eq!(st, 200, "{}", String::from_utf8_lossy(&b));
+    }
+    let (_, held) = global_ct_ht(&namespace).await;
+    assert!(held > 0, "a slice is leased while serving");
+    sc.stop().await;
+    assert_eq!(
+        global_ct_ht(&namespace).await,
+        (36, 0),
+        "what was served is committed and the rest of the slice given back"
+    );
+    common::redis_keys::delete_prefix(URL, &format!("{{tollgate:{namespace}}}")).await;
+}

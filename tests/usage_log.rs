@@ -209,7 +209,7 @@ async fn sqlite_usage_log_round_trip_and_usage_command() {
         .find(|l| l.starts_with("primary "))
         .unwrap_or_else(|| panic!("no provider line:\n{out}"));
     let cells: Vec<&str> = line.split_whitespace().collect();
-    assert_eq!(cells, ["primary", "20", "140", "100", "0.340000"], "{out}");
+    assert_eq!(cells, ["primary", "20", "140", "100", "$0.34"], "{out}");
 
     // Failures: a missing file is 1 (and is not created); conflicting flags are 2.
     let missing = dbs.replace("tollgate.db", "missing.db");
@@ -267,6 +267,7 @@ fn spilled_row(i: usize) -> tollgate::audit::UsageRow {
         cached_input_tokens: 0,
         cache_write_tokens: 0,
         api: "openai".into(),
+        team: String::new(),
     }
 }
 
@@ -330,4 +331,134 @@ async fn sqlite_loads_the_spill_of_an_earlier_run_at_start() {
         .expect("writer joins");
     assert!(!spill.exists());
     assert_eq!(count_rows(&db), ROWS as i64);
+}
+
+/// A row of now for `team` (empty: none) costing `cost` dollars.
+fn team_row(i: usize, team: &str, consumer: &str, cost: f64) -> tollgate::audit::UsageRow {
+    let mut r = spilled_row(i);
+    r.id = format!("team-{i}");
+    r.created_at = tollgate::audit::row::format_utc(jiff::Timestamp::now());
+    r.team = team.into();
+    r.consumer = consumer.into();
+    r.cost_usd = cost;
+    r
+}
+
+/// `usage --by team` (issue 52): a log written before the `team` column existed is read as it
+/// is (team `-`, the file untouched); the writer's next start adds the column and keeps the
+/// old rows; teams are summed in exact micro-dollars (three $0.000032 calls are $0.000096,
+/// not `9.599999999999998e-05`).
+#[test]
+fn usage_by_team_reads_an_old_sqlite_log_and_the_migrated_one() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("old.db");
+    let dbs = db.to_str().expect("utf8 path");
+    // The DDL of a build before the team column.
+    let c = rusqlite::Connection::open(&db).expect("open");
+    c.execute_batch(
+        "CREATE TABLE old_log (id TEXT PRIMARY KEY, created_at TEXT NOT NULL,
+            provider TEXT NOT NULL, model TEXT, input_tokens INTEGER NOT NULL,
+            output_tokens INTEGER NOT NULL, latency_ms INTEGER NOT NULL, success INTEGER NOT NULL,
+            error_message TEXT, consumer TEXT NOT NULL, request_id TEXT NOT NULL,
+            job_id TEXT NOT NULL, tried TEXT NOT NULL, route TEXT NOT NULL,
+            policy_version TEXT NOT NULL, estimated_input_tokens INTEGER NOT NULL,
+            requested_output_tokens INTEGER NOT NULL, provenance TEXT NOT NULL,
+            cost_usd REAL NOT NULL, action TEXT NOT NULL, reason TEXT NOT NULL,
+            http_status INTEGER NOT NULL, endpoint TEXT NOT NULL,
+            cached_input_tokens INTEGER NOT NULL DEFAULT 0,
+            cache_write_tokens INTEGER NOT NULL DEFAULT 0, api TEXT NOT NULL DEFAULT '')",
+    )
+    .expect("old ddl");
+    let now = tollgate::audit::row::format_utc(jiff::Timestamp::now());
+    c.execute(
+        "INSERT INTO old_log (id, created_at, provider, model, input_tokens, output_tokens,
+            latency_ms, success, consumer, request_id, job_id, tried, route, policy_version,
+            estimated_input_tokens, requested_output_tokens, provenance, cost_usd, action,
+            reason, http_status, endpoint)
+         VALUES ('old-1', ?1, 'primary', 'small-1', 7, 5, 3, 1, 'alice', 'old-1', 'old-1',
+            'primary', 'chat', 'v0', 7, 50, 'ACTUAL', 0.25, 'ALLOW', 'OK', 200, 'chat')",
+        [&now],
+    )
+    .expect("old row");
+    drop(c);
+    let usage = |by: &str| -> Value {
+        let (code, out, errs) = tollgate(&[
+            "usage", "--db", dbs, "--table", "old_log", "--by", by, "--json",
+        ]);
+        assert_eq!(code, 0, "stderr: {errs}");
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"))
+    };
+    let v = usage("team");
+    assert_eq!(v["by"], j!(["team"]));
+    assert_eq!(
+        v["teams"],
+        j!([{"name": "-", "requests_today": 1, "input_tokens_today": 7,
+        "output_tokens_today": 5, "cost_usd_month": 0.25}])
+    );
+    assert!(v.get("providers").is_none(), "{v:#}");
+    let cols = |db: &Path| -> Vec<String> {
+        let c = rusqlite::Connection::open(db).expect("open");
+        let mut st = c.prepare("PRAGMA table_info(old_log)").expect("pragma");
+        let v = st
+            .query_map([], |r| r.get::<_, String>(1))
+            .expect("cols")
+            .map(|c| c.expect("col"))
+            .collect();
+        v
+    };
+    assert!(
+        !cols(&db).contains(&"team".to_owned()),
+        "reading migrates nothing"
+    );
+
+    // The writer's start adds the column; new rows carry their team.
+    let mut conn = tollgate::audit::sqlite::open(&db, "old_log").expect("migrate");
+    assert!(cols(&db).contains(&"team".to_owned()));
+    let rows = [
+        team_row(1, "team-b", "carol", 0.000032),
+        team_row(2, "team-b", "carol", 0.000032),
+        team_row(3, "team-b", "dave", 0.000032),
+        team_row(4, "team-a", "bob", 1.5),
+    ];
+    tollgate::audit::sqlite::insert(&mut conn, "old_log", &rows).expect("insert");
+    drop(conn);
+    let v = usage("team");
+    let names: Vec<&str> = v["teams"]
+        .as_array()
+        .expect("teams")
+        .iter()
+        .map(|t| t["name"].as_str().expect("name"))
+        .collect();
+    assert_eq!(names, ["-", "team-a", "team-b"]);
+    let b = totals(&v, "teams", "team-b");
+    assert_eq!(b["requests_today"], 3);
+    assert_eq!(b["input_tokens_today"], 3 * PROMPT);
+    let (_, out, _) = tollgate(&[
+        "usage", "--db", dbs, "--table", "old_log", "--by", "team", "--json",
+    ]);
+    assert!(
+        out.contains("\"cost_usd_month\": 0.000096"),
+        "an exact decimal:\n{out}"
+    );
+    assert_eq!(totals(&v, "teams", "team-a")["cost_usd_month"], 1.5);
+    let m = usage("model");
+    assert_eq!(totals(&m, "models", "small-1")["requests_today"], 5);
+    let c = usage("consumer");
+    assert_eq!(totals(&c, "consumers", "carol")["requests_today"], 2);
+    let p = usage("backend");
+    assert_eq!(totals(&p, "providers", "primary")["requests_today"], 5);
+
+    // The table: one line per team, dollars for people.
+    let (code, out, errs) = tollgate(&["usage", "--db", dbs, "--table", "old_log", "--by", "team"]);
+    assert_eq!(code, 0, "{errs}");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("team-b "))
+        .unwrap_or_else(|| panic!("no team-b line:\n{out}"));
+    let cells: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(cells, ["team-b", "3", "21", "15", "$0.000096"], "{out}");
+    assert!(out.contains("\nteam "), "the column is titled team:\n{out}");
+    // A grouping that does not exist is a usage error.
+    let (code, _, errs) = tollgate(&["usage", "--db", dbs, "--table", "old_log", "--by", "teams"]);
+    assert_eq!(code, 2, "{errs}");
 }

@@ -121,6 +121,8 @@ impl Ops {
                 if st.versions.len() > VERSIONS_KEPT {
                     st.versions.remove(0);
                 }
+                // Teams the new keys name get their spend counters.
+                crate::telemetry::global().configure_teams(&app.snap.load().policy);
                 tracing::info!(version = %v, trigger = trigger.as_str(), "policy reloaded");
                 Ok(v)
             }

@@ -9,7 +9,7 @@ use crate::policy::{Bound, BoundClass, Match, Policy};
 use crate::proxy::App;
 use crate::telemetry::names::*;
 use crate::telemetry::stats::RECENT_MINUTES;
-use crate::units::{fmt_amount, micros_to_usd, Dim, Scope};
+use crate::units::{fmt_amount, micros_to_usd, Amount, Dim, Scope};
 use serde_json::{json, Value};
 use std::sync::Arc;
 
@@ -29,6 +29,10 @@ pub fn health(circuit: CircuitState, success_rate: Option<f64>) -> &'static str 
     }
 }
 
+/// Ids shown per bound that keeps a counter per id (`match: "team-*"` or `"*"`): the ones
+/// with the most use.
+pub const TOP_IDS: usize = 10;
+
 /// A bound with one fixed counter (global, or a single id), and that counter's key now.
 fn fixed_key(b: &Bound, windows: &crate::ledger::WindowSet) -> Option<CounterKey> {
     let id: Arc<str> = match (b.scope, &b.matcher) {
@@ -44,8 +48,8 @@ fn fixed_key(b: &Bound, windows: &crate::ledger::WindowSet) -> Option<CounterKey
     })
 }
 
-/// One fixed-id bound's use now: (dim, used, limit, ratio) of its fullest hard dimension
-/// (soft when it has no hard limit), plus reserved tokens.
+/// One bound's use on one counter now: (dim, used, limit, ratio) of its fullest hard
+/// dimension (soft when it has no hard limit), plus reserved tokens.
 struct Use {
     key: CounterKey,
     dim: Dim,
@@ -56,6 +60,10 @@ struct Use {
     /// Whether `limit` is a hard limit (else the bound is soft only).
     hard: bool,
     reserved_tokens: u64,
+    /// A hard dimension has less room left than the smallest request needs.
+    cannot_fit: bool,
+    /// One of a bound's per-id counters (not the bound's only one).
+    per_id: bool,
 }
 
 impl Use {
@@ -68,16 +76,36 @@ impl Use {
     }
 }
 
+/// The smallest worst case any request can reserve, per dimension: one input token and one
+/// output token (a client may cap its output at 1), on the cheapest chain entry. Below this
+/// room a hard bound refuses every request, so it is shown exhausted, not merely past its soft
+/// limit. (A bound with more room may still refuse a request with a larger cap: that one is
+/// past its soft limit, not exhausted.)
+fn smallest_request(policy: &Policy) -> [u64; 3] {
+    let out = 1;
+    let usd = policy
+        .routes
+        .iter()
+        .flat_map(|r| &r.chain)
+        .filter_map(|c| {
+            let b = policy.backends.get(c.backend)?;
+            Some(c.price_on(b).cost(b.scaled_input(1), out))
+        })
+        .min()
+        .unwrap_or(0);
+    let mut m = [0u64; 3];
+    m[Dim::Tokens as usize] = 1 + out;
+    m[Dim::Requests as usize] = 1;
+    m[Dim::Usd as usize] = usd;
+    m
+}
+
+/// The use of every bound: its one counter, or for a per-id bound the [`TOP_IDS`] ids with
+/// the most use in the current window.
 fn uses(app: &App, policy: &Policy, now: i64) -> Vec<(usize, Use)> {
     let windows = app.governor.windows_at(&policy.windows, now);
-    let mut out = Vec::new();
-    for (i, b) in policy.bounds.iter().enumerate() {
-        let Some(key) = fixed_key(b, &windows) else {
-            continue;
-        };
-        let counter = app.governor.ledger.get(&key);
-        let committed = counter.as_ref().map(|c| c.committed()).unwrap_or_default();
-        let reserved = counter.as_ref().map(|c| c.reserved()).unwrap_or_default();
+    let smallest = smallest_request(policy);
+    let measure = |b: &Bound, key: CounterKey, committed: Amount, reserved: Amount| {
         let hard = !b.hard.is_empty();
         let limits = if hard { b.hard } else { b.soft };
         let best = Dim::ALL
@@ -87,20 +115,51 @@ fn uses(app: &App, policy: &Policy, now: i64) -> Vec<(usize, Use)> {
                 let r = |(_, u, l): &(Dim, u64, u64)| *u as f64 / (*l).max(1) as f64;
                 r(a).total_cmp(&r(b))
             });
-        if let Some((dim, used, limit)) = best {
-            out.push((
-                i,
-                Use {
-                    key,
-                    dim,
-                    used,
-                    limit,
-                    soft: b.soft.as_array()[dim as usize],
-                    hard,
-                    reserved_tokens: reserved.tokens,
-                },
-            ));
+        let cannot_fit = Dim::ALL.into_iter().any(|d| {
+            b.hard.as_array()[d as usize]
+                .is_some_and(|l| committed.get(d).saturating_add(smallest[d as usize]) > l)
+        });
+        best.map(|(dim, used, limit)| Use {
+            key,
+            dim,
+            used,
+            limit,
+            soft: b.soft.as_array()[dim as usize],
+            hard,
+            reserved_tokens: reserved.tokens,
+            cannot_fit,
+            per_id: false,
+        })
+    };
+    let mut out = Vec::new();
+    for (i, b) in policy.bounds.iter().enumerate() {
+        if let Some(key) = fixed_key(b, &windows) {
+            let counter = app.governor.ledger.get(&key);
+            let committed = counter.as_ref().map(|c| c.committed()).unwrap_or_default();
+            let reserved = counter.as_ref().map(|c| c.reserved()).unwrap_or_default();
+            out.extend(measure(b, key, committed, reserved).map(|u| (i, u)));
+            continue;
         }
+        // Per-id bounds; job counters are per (consumer, job) and short-lived: not listed.
+        if matches!(b.scope, Scope::Request | Scope::Job) {
+            continue;
+        }
+        let window = b.window.map(|w| windows.key(w));
+        let mut ids: Vec<Use> = Vec::new();
+        app.governor.ledger.for_each_counter(|k, c| {
+            if k.scope == b.scope && k.window == window && b.matcher.matches(&k.id) {
+                if let Some(mut u) = measure(b, k.clone(), c.committed(), c.reserved()) {
+                    u.per_id = true;
+                    ids.push(u);
+                }
+            }
+        });
+        ids.sort_by(|a, b| {
+            b.ratio()
+                .total_cmp(&a.ratio())
+                .then_with(|| a.key.id.cmp(&b.key.id))
+        });
+        out.extend(ids.into_iter().take(TOP_IDS).map(|u| (i, u)));
     }
     out
 }
@@ -116,6 +175,10 @@ pub fn set_gauges(app: &App, ops: &Ops) {
         metrics::gauge!(TOLLGATE_CIRCUIT_STATE, "backend" => b.id.to_string()).set(state.gauge());
     }
     for (i, u) in uses(app, policy, now) {
+        if u.per_id {
+            // One gauge per bound name: per-id use is in /admin/status, never a label.
+            continue;
+        }
         let b = &policy.bounds[i];
         let name = match b.class {
             BoundClass::Quota => TOLLGATE_QUOTA_USED_RATIO,
@@ -217,7 +280,7 @@ pub fn status(app: &App, ops: &Ops) -> Value {
         .map(|(i, u)| {
             let b = &policy.bounds[i];
             let ratio = u.ratio();
-            let state = if u.hard && u.used >= u.limit {
+            let state = if u.hard && (u.used >= u.limit || u.cannot_fit) {
                 "exhausted"
             } else if u.soft.is_some_and(|s| u.used > s) {
                 "soft_exceeded"
@@ -231,11 +294,13 @@ pub fn status(app: &App, ops: &Ops) -> Value {
                 Dim::Usd => json!(micros_to_usd(v)),
                 _ => json!(v),
             };
-            json!({
+            let mut row = json!({
                 "name": &*b.name,
                 "class": b.class.as_str(),
                 "scope": b.scope.as_str(),
                 "id": &*u.key.id,
+                "match": b.matcher.as_str(),
+                "per_id": u.per_id,
                 "window": b.window.map(|w| w.as_str()),
                 "dim": u.dim.as_str(),
                 "used": show(u.used),
@@ -250,7 +315,15 @@ pub fn status(app: &App, ops: &Ops) -> Value {
                 "alert_at": &b.alert_at,
                 "reserved_tokens": u.reserved_tokens,
                 "state": state,
-            })
+            });
+            let counter = app.governor.ledger.get(&u.key);
+            let projection = counter
+                .as_deref()
+                .and_then(|c| app.governor.forecast(policy, b, (&u.key, c), u.dim, now_ms));
+            crate::proxy::limits_view::forecast_fields(
+                &mut row, policy, b, u.dim, projection, now_ms,
+            );
+            row
         })
         .collect();
 
@@ -262,9 +335,11 @@ pub fn status(app: &App, ops: &Ops) -> Value {
     let last = st.last.map(|(t, trig, ok)| {
         json!({"at": ts(t), "trigger": trig.as_str(), "result": if ok { "ok" } else { "error" }})
     });
-    let last_error = st
-        .last_error
-        .map(|(t, trig, msg)| json!({"at": ts(t), "trigger": trig.as_str(), "message": msg}));
+    // The last error still stands only while no reload has succeeded since.
+    let failing = st.last.is_some_and(|(_, _, ok)| !ok);
+    let last_error = st.last_error.map(|(t, trig, msg)| {
+        json!({"at": ts(t), "trigger": trig.as_str(), "message": msg, "current": failing})
+    });
     let mut out = json!({
         "now": ts(now),
         "policy": {
@@ -286,6 +361,7 @@ pub fn status(app: &App, ops: &Ops) -> Value {
         "reserved_tokens": app.governor.ledger.reserved_tokens(),
         "open_circuits": open,
         "limits": limits,
+        "limits_top_ids": TOP_IDS,
         "health_thresholds": {"red_below": RED_BELOW, "yellow_below": YELLOW_BELOW},
     });
     // The shared state store (Redis): availability, eviction policy, rebuilds, journal.

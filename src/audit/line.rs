@@ -74,6 +74,12 @@ fn record(w: &mut Line<'_>, r: &Record) -> io::Result<()> {
     }
     w.int(k!("estimated_input_tokens"), r.estimated_input_tokens);
     w.int(k!("requested_output_tokens"), r.requested_output_tokens);
+    if let Some(v) = r.client_max_tokens {
+        w.int(k!("client_max_tokens"), v);
+    }
+    if r.n != 1 {
+        w.int(k!("n"), u64::from(r.n));
+    }
     w.int(k!("worst_case_tokens"), r.worst_case_tokens);
     w.f64(k!("worst_case_usd"), r.worst_case_usd)?;
     w.int(k!("actual_input_tokens"), r.actual_input_tokens);
@@ -100,6 +106,9 @@ fn record(w: &mut Line<'_>, r: &Record) -> io::Result<()> {
     }
     if let Some(l) = &r.limit {
         w.serde(k!("limit"), l)?;
+    }
+    if !r.shadow.is_empty() {
+        w.serde(k!("shadow"), &r.shadow)?;
     }
     if !r.alerts.is_empty() {
         w.serde(k!("alerts"), &r.alerts)?;
@@ -415,6 +424,8 @@ mod tests {
         r.calls = smallvec::smallvec![Arc::from("a"), Arc::from("b\"")];
         r.team = Some(Arc::from("team-1"));
         r.upstream_model = Some(Arc::from("m"));
+        r.client_max_tokens = Some(64);
+        r.n = 3;
         r.worst_case_usd = f64::NAN;
         r.cost_usd = 1e21;
         r.amplification = 2.5;

@@ -74,7 +74,7 @@ pub fn insert_sql(t: &str) -> String {
     let types = [
         "text", "text", "text", "text", "int8", "int8", "int8", "bool", "text", "text", "text",
         "text", "text", "text", "text", "int8", "int8", "text", "float8", "text", "text", "int4",
-        "text", "int8", "int8", "text",
+        "text", "int8", "int8", "text", "text",
     ];
     let args: Vec<String> = types
         .iter()
@@ -136,12 +136,13 @@ pub async fn insert(
         col!(http_status),
         col!(endpoint),
     );
-    let (cached, cache_write, api) = (
+    let (cached, cache_write, api, team) = (
         col!(cached_input_tokens),
         col!(cache_write_tokens),
         col!(api),
+        col!(team),
     );
-    let params: [&(dyn ToSql + Sync); 26] = [
+    let params: [&(dyn ToSql + Sync); 27] = [
         &id,
         &created_at,
         &provider,
@@ -168,6 +169,7 @@ pub async fn insert(
         &cached,
         &cache_write,
         &api,
+        &team,
     ];
     c.execute(st, &params).await
 }

@@ -50,6 +50,10 @@ pub struct UsageRow {
     /// spilled by an older build).
     #[serde(default)]
     pub api: String,
+    /// The caller's team, from its virtual key; empty when it has none (and in rows written
+    /// before the column existed).
+    #[serde(default)]
+    pub team: String,
 }
 
 /// The columns in insert order (`id` first), shared by the DDL and the inserts.
@@ -80,6 +84,7 @@ pub const COLUMNS: &[&str] = &[
     "cached_input_tokens",
     "cache_write_tokens",
     "api",
+    "team",
 ];
 
 /// Columns added after the first release, with their SQL types (SQLite, Postgres) and
@@ -97,6 +102,11 @@ pub const ADDED_COLUMNS: &[(&str, &str, &str)] = &[
     ),
     (
         "api",
+        "TEXT NOT NULL DEFAULT ''",
+        "text NOT NULL DEFAULT ''",
+    ),
+    (
+        "team",
         "TEXT NOT NULL DEFAULT ''",
         "text NOT NULL DEFAULT ''",
     ),
@@ -147,6 +157,7 @@ pub fn usage_row(e: &Entry) -> UsageRow {
         cached_input_tokens: clamp(r.actual_cached_input_tokens),
         cache_write_tokens: clamp(r.actual_cache_write_tokens),
         api: e.api.to_owned(),
+        team: r.team.as_deref().unwrap_or_default().to_owned(),
     }
 }
 
@@ -272,6 +283,10 @@ mod tests {
         assert_eq!(row.cost_usd, 0.046);
         assert_eq!((&*row.action, &*row.reason), ("ALLOW", "OK"));
         assert_eq!((row.http_status, &*row.endpoint), (200, "chat.completions"));
+        assert_eq!(row.team, "", "no key, no team");
+        let mut e = entry();
+        e.record.team = Some(Arc::from("team-a"));
+        assert_eq!(usage_row(&e).team, "team-a");
         assert_eq!(row.id.len(), 36);
         assert_eq!(&row.id[14..15], "4");
         assert_ne!(row.id, usage_row(&entry()).id);

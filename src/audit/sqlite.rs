@@ -74,7 +74,8 @@ fn ddl(t: &str) -> String {
             endpoint TEXT NOT NULL,
             cached_input_tokens INTEGER NOT NULL DEFAULT 0,
             cache_write_tokens INTEGER NOT NULL DEFAULT 0,
-            api TEXT NOT NULL DEFAULT ''
+            api TEXT NOT NULL DEFAULT '',
+            team TEXT NOT NULL DEFAULT ''
         );
         CREATE INDEX IF NOT EXISTS {t}_created_at ON {t} (created_at);
         CREATE INDEX IF NOT EXISTS {t}_request_id ON {t} (request_id);"
@@ -119,6 +120,7 @@ pub fn insert(conn: &mut Connection, table: &str, rows: &[UsageRow]) -> rusqlite
                 r.cached_input_tokens,
                 r.cache_write_tokens,
                 r.api,
+                r.team,
             ])?;
         }
     }

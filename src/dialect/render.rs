@@ -228,5 +228,12 @@ pub fn reshape_error(d: Dialect, status: u16, body: &[u8], retry_after: Option<u
         .or_else(|| v.get("error").and_then(Value::as_str))
         .unwrap_or("the upstream refused the request");
     let tollgate = v.get("tollgate").or_else(|| v.pointer("/error/tollgate"));
-    super::error_body(d, status, message, tollgate, retry_after)
+    let mut out = super::error_body(d, status, message, tollgate, retry_after);
+    // The same `code` as the chat answer (`hard_budget_exceeded`), not null.
+    if let (Dialect::OpenAi | Dialect::Responses, Some(code)) = (d, v.pointer("/error/code")) {
+        if let Some(e) = out.get_mut("error").and_then(Value::as_object_mut) {
+            e.insert("code".into(), code.clone());
+        }
+    }
+    out
 }

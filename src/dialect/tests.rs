@@ -208,3 +208,21 @@ fn error_shapes_keep_the_tollgate_object() {
     assert_eq!(o["error"], "m");
     assert_eq!(o["tollgate"], t);
 }
+
+#[test]
+fn a_responses_refusal_keeps_the_chat_code() {
+    let chat = json!({"error": {"message": "m", "type": "insufficient_quota",
+                     "code": "hard_budget_exceeded", "param": null, "tollgate": {"final_action": "HARD_STOP"}}});
+    let body = chat.to_string();
+    let r = render::reshape_error(Dialect::Responses, 403, body.as_bytes(), None);
+    assert_eq!(r["error"]["code"], "hard_budget_exceeded", "{r}");
+    assert_eq!(r["tollgate"]["final_action"], "HARD_STOP");
+    // An error without a code stays without one.
+    let r = render::reshape_error(
+        Dialect::Responses,
+        400,
+        br#"{"error":{"message":"x"}}"#,
+        None,
+    );
+    assert!(r["error"]["code"].is_null());
+}

@@ -24,7 +24,7 @@ use super::upstream::{CallResult, CallSpec, Clock, Failure, FailureClass, Skip, 
 use super::{Governor, Outcome, Pending, RequestCtx, Served};
 use crate::ledger::{JobLedger, Refusal, Reservation, WindowSet};
 use crate::policy::{Backend, BoundClass, ChainEntry, Policy, Price, Route};
-use crate::units::{micros_to_usd, Amount, Dim, Millis};
+use crate::units::{micros_to_usd, Amount, Dim, Millis, Scope};
 use std::sync::Arc;
 
 /// Retry-After given when the shared state store does not answer.
@@ -62,6 +62,9 @@ struct RequestBlock {
     /// A rate limit or quota (not a budget) refused: the payer is blocked, so no static
     /// answer hides that.
     payer: bool,
+    /// A budget of whoever pays (consumer, team, job, global) refused: a spent budget, which
+    /// the static answer does not disguise unless the route says `static_on_budget`.
+    spend: bool,
     /// The bound is smaller than this request's own worst case: waiting cannot help, so it
     /// is never DEFER (SPEC §3.2).
     never_fits: bool,
@@ -332,6 +335,8 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
         let primary_circuit = gov.circuit(&primary.id);
         rec.circuit_state = primary_circuit.state_at(start);
         rec.estimated_input_tokens = ctx.input_tokens;
+        rec.client_max_tokens = ctx.max_output_tokens;
+        rec.n = ctx.n;
         rec.retry_budget = policy.retry.max_attempts_per_job;
         let per_choice = output_cap(policy, route, ctx, &parts, n, &mut rec);
 
@@ -442,13 +447,60 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
     ) -> Result<Reservation, Flow> {
         let (all, amount, now) = (&ask.all, ask.amount, ask.now);
         match self.gov.reserve_all(self.policy, all, amount, now).await {
-            Ok(reservation) => Ok(reservation),
+            Ok(reservation) => {
+                self.shadow_check(walk, ask);
+                Ok(reservation)
+            }
             // The shared store cannot say whether this fits: fail closed, and no other
             // entry can do better (they need the same store).
             Err(ReserveError::Unavailable) => Err(walk.halt(Halt::StateUnavailable)),
             Err(ReserveError::Rebuilding) => Err(walk.halt(Halt::StateRebuilding)),
             Err(ReserveError::Refused(refusal)) => {
                 Err(self.refused(walk, entry, tries, ask, refusal))
+            }
+        }
+    }
+
+    /// Shadow bounds (SPEC §9): with this try's worst case now held, notes each one whose
+    /// hard limit it crossed, with the `limit` object an enforced bound would have returned.
+    /// Once per bound and id, however many tries the request makes.
+    fn shadow_check(&self, walk: &mut Walk, ask: &Ask<'_>) {
+        for part in &ask.all {
+            for &bi in &part.bounds {
+                let bound = &self.policy.bounds[bi];
+                if !bound.is_shadow() {
+                    continue;
+                }
+                let used = part.counter.used();
+                for d in Dim::ALL {
+                    let Some(limit) = bound.hard.get(d) else {
+                        continue;
+                    };
+                    let (now, asked) = (used.get(d), ask.amount.get(d));
+                    if now <= limit {
+                        continue;
+                    }
+                    let rec = &mut walk.rec;
+                    if rec
+                        .shadow
+                        .iter()
+                        .any(|l| l.name == bound.name && l.id == part.key.id)
+                    {
+                        break;
+                    }
+                    let would = limits::Refused {
+                        bound,
+                        part,
+                        dim: d,
+                        used_total: now.saturating_sub(asked),
+                        limit,
+                        requested: asked,
+                        never_fits: asked > limit,
+                    };
+                    rec.shadow
+                        .push(limits::detail(self.policy, &self.windows, &would));
+                    break;
+                }
             }
         }
     }
@@ -916,7 +968,12 @@ impl<'a, U: Upstream, C: Clock> Request<'a, U, C> {
         let payer_blocked = block.is_some_and(|b| b.payer);
         if backend_trouble && !payer_blocked && self.ctx.static_ok {
             if let Some(text) = &self.route.static_response {
-                return Conclusion::Static(text.clone());
+                if !block.is_some_and(|b| b.spend) || self.route.static_on_budget {
+                    return Conclusion::Static(text.clone());
+                }
+                // A spent budget is not an outage (SPEC §10): it is refused as what it is.
+                // Not deferred: a route with a static answer does not make its clients wait.
+                return Conclusion::HardStop;
             }
         }
         let hinted = walk.wait_hint_ms.is_some();
@@ -1031,17 +1088,19 @@ impl Walk {
     }
 
     fn block_request(&mut self, r: &limits::Refused<'_>) {
-        let (payer, never_fits) = self
+        let (payer, spend, never_fits) = self
             .request_block
-            .map_or((false, false), |b| (b.payer, b.never_fits));
+            .map_or((false, false, false), |b| (b.payer, b.spend, b.never_fits));
         let by_payer = match r.bound.class {
             BoundClass::RateLimit | BoundClass::Quota => true,
             BoundClass::Budget => false,
         };
+        let by_spend = r.bound.class == BoundClass::Budget && r.bound.scope != Scope::Request;
         self.request_block = Some(RequestBlock {
             dim: r.dim,
             asked: r.requested,
             payer: payer || by_payer,
+            spend: spend || by_spend,
             never_fits: never_fits || r.never_fits,
         });
     }
@@ -1170,6 +1229,9 @@ fn soft_crossed(policy: &Policy, parts: &[PartInfo]) -> bool {
     parts.iter().any(|p| {
         let committed = p.counter.committed();
         p.bounds.iter().any(|&b| {
+            if policy.bounds[b].is_shadow() {
+                return false;
+            }
             let soft = policy.bounds[b].soft.as_array();
             Dim::ALL
                 .iter()

@@ -129,6 +129,7 @@ pub fn max_output_within(
         Dim::Requests => (room >= 1).then_some(u64::MAX),
         Dim::Tokens => room.checked_sub(scaled_in),
         Dim::Usd => {
+            let price = price.for_input(scaled_in);
             room.checked_sub(price.cost(scaled_in, 0))?;
             if price.output_per_1k == 0 {
                 return Some(u64::MAX);
@@ -141,10 +142,12 @@ pub fn max_output_within(
     }
 }
 
-/// One token bound that applies to an admitted request, for the rate-limit headers.
+/// One token or dollar bound that applies to an admitted request, for the limit headers.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenLimit {
     pub name: Arc<str>,
+    /// `Tokens`, or `Usd` (in micro-dollars) for a dollar bound.
+    pub unit: Dim,
     /// A `rate_limits` entry (the x-ratelimit-* trio prefers these).
     pub rate: bool,
     pub limit: u64,
@@ -168,26 +171,33 @@ fn window_secs(w: crate::units::Window) -> u64 {
     }
 }
 
-/// Every hard token bound on the request's counters, with its room left now.
+/// Every hard token and dollar bound on the request's counters, with its room left now.
 pub fn token_limits(policy: &Policy, windows: &WindowSet, parts: &[&PartInfo]) -> Vec<TokenLimit> {
     let mut out = Vec::with_capacity(parts.len());
     for (pi, p) in parts.iter().enumerate() {
         let mut used = None;
         for &bi in &p.bounds {
             let b = &policy.bounds[bi];
-            let Some(limit) = b.hard.tokens else {
+            // The headers describe what is enforced; a shadow bound refuses nobody.
+            if b.is_shadow() {
                 continue;
-            };
-            let u = *used.get_or_insert_with(|| p.counter.used().tokens);
-            out.push(TokenLimit {
-                name: b.name.clone(),
-                rate: b.class == crate::policy::BoundClass::RateLimit,
-                limit,
-                remaining: limit.saturating_sub(u),
-                window_secs: b.window.map(window_secs),
-                resets_at_ms: b.window.map(|w| windows.end(w)),
-                part: pi,
-            });
+            }
+            for (unit, hard) in [(Dim::Tokens, b.hard.tokens), (Dim::Usd, b.hard.usd)] {
+                let Some(limit) = hard else {
+                    continue;
+                };
+                let u = used.get_or_insert_with(|| p.counter.used()).get(unit);
+                out.push(TokenLimit {
+                    name: b.name.clone(),
+                    unit,
+                    rate: b.class == crate::policy::BoundClass::RateLimit,
+                    limit,
+                    remaining: limit.saturating_sub(u),
+                    window_secs: b.window.map(window_secs),
+                    resets_at_ms: b.window.map(|w| windows.end(w)),
+                    part: pi,
+                });
+            }
         }
     }
     out
@@ -197,7 +207,7 @@ pub fn token_limits(policy: &Policy, windows: &WindowSet, parts: &[&PartInfo]) -
 pub fn recount(limits: &mut [TokenLimit], parts: &[PartInfo]) {
     for l in limits {
         if let Some(p) = parts.get(l.part) {
-            l.remaining = l.limit.saturating_sub(p.counter.used().tokens);
+            l.remaining = l.limit.saturating_sub(p.counter.used().get(l.unit));
         }
     }
 }
@@ -205,8 +215,17 @@ pub fn recount(limits: &mut [TokenLimit], parts: &[PartInfo]) {
 /// The bound the x-ratelimit-* trio describes: the token rate limit with the least room,
 /// else (no token rate limit applies) the token bound with the least room.
 pub fn tightest(limits: &[TokenLimit]) -> Option<&TokenLimit> {
-    let rate = limits.iter().filter(|l| l.rate).min_by_key(|l| l.remaining);
-    rate.or_else(|| limits.iter().min_by_key(|l| l.remaining))
+    let tokens = || limits.iter().filter(|l| l.unit == Dim::Tokens);
+    let rate = tokens().filter(|l| l.rate).min_by_key(|l| l.remaining);
+    rate.or_else(|| tokens().min_by_key(|l| l.remaining))
+}
+
+/// The dollar bound with the least room (micro-dollars), for `x-tollgate-budget-remaining-usd`.
+pub fn tightest_usd(limits: &[TokenLimit]) -> Option<&TokenLimit> {
+    limits
+        .iter()
+        .filter(|l| l.unit == Dim::Usd)
+        .min_by_key(|l| l.remaining)
 }
 
 #[cfg(test)]
@@ -221,6 +240,7 @@ mod tests {
             output_per_1k: 15000,
             cached_input_per_1k: 300,
             cache_write_per_1k: 3750,
+            ..Price::default()
         }
     }
 

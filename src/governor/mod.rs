@@ -4,6 +4,7 @@
 
 pub mod circuit;
 mod decide;
+pub mod forecast;
 pub mod limits;
 pub mod plan;
 pub mod record;
@@ -123,6 +124,8 @@ pub struct Governor {
     /// Counters shared with other replicas (`state.backend: redis`); `None` = the local ledger
     /// alone decides (memory, sqlite), with no await on the reservation path.
     shared: Option<Arc<dyn SharedCounters>>,
+    /// Burn-rate samples and fired forecast alerts (read and written off the request path).
+    forecasts: forecast::Forecasts,
 }
 
 impl Governor {
@@ -134,6 +137,7 @@ impl Governor {
             circuits: DashMap::default(),
             windows: ArcSwapOption::empty(),
             shared: None,
+            forecasts: forecast::Forecasts::default(),
         }
     }
 

@@ -80,6 +80,11 @@ fn add(
         }
     };
     part.bounds.push(idx);
+    // A shadow bound shares the counter (it counts the same traffic) but not the limits
+    // the reservation is judged against: it never refuses.
+    if b.is_shadow() {
+        return;
+    }
     for (i, lim) in b.hard.as_array().into_iter().enumerate() {
         if let Some(l) = lim {
             if part.hard[i].is_none_or(|cur| l < cur) {

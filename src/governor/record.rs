@@ -166,14 +166,18 @@ fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
-/// A bound that refused or was checked, for the audit record.
-#[derive(Debug, Clone, Serialize)]
+fn is_one(n: &u32) -> bool {
+    *n == 1
+}
+
+/// A bound that refused or was checked, for the audit record. Its usd amounts are held in
+/// micro-dollars and written in dollars, like every other amount of the record.
+#[derive(Debug, Clone)]
 pub struct BoundNote {
     pub name: Arc<str>,
     pub class: &'static str,
     pub scope: &'static str,
     pub id: Arc<str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub window: Option<&'static str>,
     pub dim: &'static str,
     pub used: u64,
@@ -181,6 +185,35 @@ pub struct BoundNote {
     pub asked: u64,
     /// Which backend's attempt was refused.
     pub backend: Arc<str>,
+}
+
+impl Serialize for BoundNote {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let usd = self.dim == "usd";
+        let mut m = s.serialize_map(None)?;
+        m.serialize_entry("name", &*self.name)?;
+        m.serialize_entry("class", self.class)?;
+        m.serialize_entry("scope", self.scope)?;
+        m.serialize_entry("id", &*self.id)?;
+        if let Some(w) = self.window {
+            m.serialize_entry("window", w)?;
+        }
+        m.serialize_entry("dim", self.dim)?;
+        for (k, v) in [
+            ("used", self.used),
+            ("limit", self.limit),
+            ("asked", self.asked),
+        ] {
+            if usd {
+                m.serialize_entry(k, &crate::units::micros_to_usd(v))?;
+            } else {
+                m.serialize_entry(k, &v)?;
+            }
+        }
+        m.serialize_entry("backend", &*self.backend)?;
+        m.end()
+    }
 }
 
 /// One `alert_at` threshold crossed by a request's committed usage.
@@ -269,6 +302,14 @@ pub struct RecordFields {
     pub upstream_model: Option<Arc<str>>,
     pub estimated_input_tokens: u64,
     pub requested_output_tokens: u64,
+    /// The client's own output cap per choice (`max_tokens` or its dialect's name); absent:
+    /// it sent none and the route's default applied. With `n`, what `tollgate replay` needs
+    /// to work the cap out again under another policy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client_max_tokens: Option<u64>,
+    /// Choices asked for; written only when more than one.
+    #[serde(skip_serializing_if = "is_one")]
+    pub n: u32,
     pub worst_case_tokens: u64,
     pub worst_case_usd: f64,
     pub actual_input_tokens: u64,
@@ -291,6 +332,10 @@ pub struct RecordFields {
     /// The bound that refused this request, as the client reads it (SPEC §3.2).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub limit: Option<super::limits::LimitDetail>,
+    /// Shadow bounds (`enforce: shadow`) this request crossed: the `limit` object each would
+    /// have refused it with (SPEC §9). Empty (no allocation) as a rule.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub shadow: Vec<super::limits::LimitDetail>,
     /// The token bounds of the admitted call, for the rate-limit headers (not audited).
     #[serde(skip)]
     pub token_limits: Vec<super::limits::TokenLimit>,
@@ -358,6 +403,8 @@ impl Record {
                 upstream_model: None,
                 estimated_input_tokens: 0,
                 requested_output_tokens: 0,
+                client_max_tokens: None,
+                n: 1,
                 worst_case_tokens: 0,
                 worst_case_usd: 0.0,
                 actual_input_tokens: 0,
@@ -373,6 +420,7 @@ impl Record {
                 attempts: smallvec::SmallVec::new(),
                 refusals: Vec::new(),
                 limit: None,
+                shadow: Vec::new(),
                 token_limits: Vec::new(),
                 alerts: Vec::new(),
                 error: None,

@@ -61,7 +61,7 @@ impl Governor {
                     continue;
                 }
                 for d in Dim::ALL {
-                    if b.soft.get(d).is_some_and(|s| now.get(d) > s) {
+                    if !b.is_shadow() && b.soft.get(d).is_some_and(|s| now.get(d) > s) {
                         soft = true;
                     }
                     if b.alert_at.is_empty() {

@@ -273,3 +273,229 @@ pub(super) mod fakes {
         }
     }
 }
+
+/// Shadow bounds (SPEC §9): counted on the same counter as an enforced bound, never refusing,
+/// noting the `limit` object an enforced one would have answered with.
+mod shadow {
+    use super::fakes::{At, Ok200};
+    use crate::governor::{FinalAction, Governor, Record, RequestCtx, Served, Usage};
+    use crate::ledger::Ledger;
+    use crate::policy::Policy;
+    use crate::units::Scope;
+    use std::sync::Arc;
+
+    /// A consumer quota of 100 tokens a day; with `soft`, also a budget whose soft limit
+    /// the first request crosses.
+    fn policy(enforce: &str, soft: bool) -> Policy {
+        let soft = if soft {
+            format!(
+                "budgets:
+  - {{name: soft-spend, scope: consumer, window: day, hard_tokens: 1000, soft_tokens: 1, enforce: {enforce}}}
+degrade: {{on_soft_exceeded: {{max_output_tokens: 5}}}}
+"
+            )
+        } else {
+            String::new()
+        };
+        crate::policy::from_str(
+            &format!(
+                "version: s-1
+backends: [{{id: primary, kind: openai, base_url: 'http://127.0.0.1:9/v1'}}]
+routes: [{{model: chat, chain: [{{backend: primary, model: small}}]}}]
+quotas:
+  - {{name: daily, scope: consumer, match: '*', window: day, limit_tokens: 100, enforce: {enforce}}}
+{soft}"
+            ),
+            "s.yaml",
+        )
+        .unwrap()
+    }
+
+    fn ctx(id: &str) -> RequestCtx {
+        RequestCtx {
+            request_id: Arc::from(id),
+            job_id: Arc::from(id),
+            consumer: Arc::from("alice"),
+            team: None,
+            input_tokens: 10,
+            max_output_tokens: Some(50),
+            n: 1,
+            static_ok: false,
+        }
+    }
+
+    /// Governs (worst case 60 tokens) and settles 30 actual tokens when served.
+    async fn call(g: &Governor, p: &Policy, id: &str) -> Record {
+        let route = p.route("chat").unwrap().clone();
+        let out = g
+            .govern(p, &route, &ctx(id), &Ok200, &At(1_800_000_000_000))
+            .await;
+        let mut rec = out.record;
+        if let Served::Upstream { pending, .. } = out.served {
+            let evidence = crate::governor::UsageEvidence::Actual;
+            g.settle(p, &mut rec, *pending, Usage::new(10, 20), evidence);
+        }
+        rec
+    }
+
+    fn consumer_tokens(g: &Governor) -> u64 {
+        g.ledger
+            .snapshot()
+            .into_iter()
+            .filter(|(k, _, _)| k.scope == Scope::Consumer)
+            .map(|(_, committed, _)| committed.tokens)
+            .sum()
+    }
+
+    #[tokio::test]
+    async fn a_shadow_bound_counts_and_notes_what_an_enforced_one_refuses() {
+        let (hard, hp) = (
+            Governor::new(Arc::new(Ledger::new())),
+            policy("hard", false),
+        );
+        let (shadow, sp) = (
+            Governor::new(Arc::new(Ledger::new())),
+            policy("shadow", false),
+        );
+        for id in ["r1", "r2"] {
+            // 0 + 60 and 30 + 60 fit the 100 tokens.
+            assert!(call(&shadow, &sp, id).await.shadow.is_empty());
+            call(&hard, &hp, id).await;
+        }
+        // 60 committed + 60 worst case: the enforced quota refuses, the shadow one lets it pass.
+        let refused = call(&hard, &hp, "r3").await;
+        assert_eq!(refused.final_action, FinalAction::HardStop);
+        let passed = call(&shadow, &sp, "r3").await;
+        assert_eq!(passed.final_action, FinalAction::Allow);
+        assert_eq!(passed.http_status, 200);
+        assert_eq!(passed.shadow.len(), 1);
+        let (would, did) = (&passed.shadow[0], refused.limit.as_ref().unwrap());
+        assert_eq!(would.to_json(), did.to_json(), "the same limit object");
+        assert_eq!((&*would.name, would.used, would.limit), ("daily", 60, 100));
+        // Counted like the enforced one, and past its limit: it is only a shadow.
+        assert_eq!(consumer_tokens(&shadow), 90);
+        assert!(call(&shadow, &sp, "r4").await.shadow.len() == 1);
+        assert_eq!(consumer_tokens(&shadow), 120);
+    }
+
+    #[tokio::test]
+    async fn a_shadow_bound_changes_no_cap_and_no_header() {
+        let (g, p) = (
+            Governor::new(Arc::new(Ledger::new())),
+            policy("shadow", true),
+        );
+        call(&g, &p, "r1").await;
+        // Past the shadow budget's soft limit: an enforced one would lower the cap to 5.
+        let rec = call(&g, &p, "r2").await;
+        assert_eq!(rec.final_action, FinalAction::Allow);
+        assert_eq!(rec.requested_output_tokens, 50);
+        assert_eq!(rec.worst_case_tokens, 60);
+        assert!(rec.token_limits.is_empty(), "{:?}", rec.token_limits);
+        let enforced = policy("hard", true);
+        let g2 = Governor::new(Arc::new(Ledger::new()));
+        call(&g2, &enforced, "r1").await;
+        let rec = call(&g2, &enforced, "r2").await;
+        assert_eq!(rec.final_action, FinalAction::Degrade);
+        assert!(!rec.token_limits.is_empty());
+    }
+}
+
+/// Burn-rate forecasts on a fixed clock: no sleeps, the sampler's ticks are called by hand.
+mod forecast {
+    use super::fakes::{At, Ok200};
+    use crate::governor::{Governor, RequestCtx, Served, Usage};
+    use crate::ledger::{window_at, window_end, Ledger};
+    use crate::policy::Policy;
+    use crate::units::{Dim, Window};
+    use std::sync::Arc;
+
+    const HOUR: i64 = 3_600_000;
+
+    fn policy() -> Policy {
+        crate::policy::from_str(
+            "version: f-1
+backends: [{id: primary, kind: openai, base_url: 'http://127.0.0.1:9/v1'}]
+routes: [{model: chat, chain: [{backend: primary, model: small}]}]
+quotas:
+  - {name: daily, scope: backend, match: primary, window: day, limit_tokens: 1000}
+rate_limits:
+  - {name: tpm, scope: consumer, window: minute, limit_tokens: 100000}
+",
+            "f.yaml",
+        )
+        .unwrap()
+    }
+
+    /// One served call at `now` using `tokens` (half in, half out).
+    async fn spend(g: &Governor, p: &Policy, now: i64, tokens: u64) {
+        let route = p.route("chat").unwrap().clone();
+        let c = RequestCtx {
+            request_id: Arc::from(format!("r{now}").as_str()),
+            job_id: Arc::from(format!("r{now}").as_str()),
+            consumer: Arc::from("alice"),
+            team: None,
+            input_tokens: 1,
+            max_output_tokens: Some(10),
+            n: 1,
+            static_ok: false,
+        };
+        let out = g.govern(p, &route, &c, &Ok200, &At(now)).await;
+        let mut rec = out.record;
+        let Served::Upstream { pending, .. } = out.served else {
+            panic!("not served: {rec:?}");
+        };
+        let usage = Usage::new(tokens / 2, tokens - tokens / 2);
+        g.settle(
+            p,
+            &mut rec,
+            *pending,
+            usage,
+            crate::governor::UsageEvidence::Actual,
+        );
+    }
+
+    #[tokio::test]
+    async fn a_fast_burn_fires_once_per_window_and_a_slow_one_never() {
+        let (g, p) = (Governor::new(Arc::new(Ledger::new())), policy());
+        let tz = &p.windows.timezone;
+        let day = window_at(tz, Window::Day, 1_800_000_000_000);
+        let start = day.start * 1000;
+        let end = window_end(tz, day);
+        // Slow: 10 tokens in the first 12 hours, nowhere near 1000 by midnight.
+        spend(&g, &p, start + HOUR, 10).await;
+        assert!(g.forecast_tick(&p, start + 12 * HOUR).is_empty());
+        // Fast: 300 more in the next hour. The trailing hour burns 300/h: 690 left last
+        // 2.3 h, well before midnight.
+        let t = start + 12 * HOUR;
+        for i in 1..=60 {
+            spend(&g, &p, t + i * 60_000, 5).await;
+            g.forecast_tick(&p, t + i * 60_000);
+        }
+        let now = t + HOUR;
+        let f = g.forecast_tick(&p, now);
+        // Every earlier minute's tick already saw the burn: the alert went out then, once.
+        assert_eq!(f.len(), 1, "{f:?}");
+        assert!(!f[0].alert, "fired once, on an earlier tick");
+        let (fc, b) = (&f[0], &p.bounds[f[0].bound]);
+        assert_eq!(
+            (&*b.name, fc.dim, fc.used, fc.limit),
+            ("daily", Dim::Tokens, 310, 1000)
+        );
+        assert_eq!(fc.projection.per_hour_1h, Some(300.0));
+        let secs = fc.projection.seconds_from(now).unwrap();
+        assert_eq!(secs, 690 * 12, "690 tokens at 300/h");
+        assert_eq!(fc.window_end_ms, end);
+
+        // A fresh governor fed the same traffic fires on the first tick that sees it.
+        let g2 = Governor::new(Arc::new(Ledger::new()));
+        spend(&g2, &p, start + HOUR, 10).await;
+        g2.forecast_tick(&p, start + 12 * HOUR - 1);
+        spend(&g2, &p, now - 1, 300).await;
+        let first = g2.forecast_tick(&p, now);
+        assert_eq!(first.iter().filter(|f| f.alert).count(), 1, "{first:?}");
+        assert!(g2.forecast_tick(&p, now + 60_000).iter().all(|f| !f.alert));
+        // The next day is a new window: its counter starts at zero, nothing to forecast.
+        spend(&g2, &p, end + HOUR, 10).await;
+        assert!(g2.forecast_tick(&p, end + 2 * HOUR).is_empty());
+    }
+}

@@ -165,12 +165,51 @@ impl V<'_> {
         let output = side(pr.and_then(|x| x.output), "output").unwrap_or(0);
         let cached = side(pr.and_then(|x| x.cached_input), "cached_input").unwrap_or(input);
         let write = side(pr.and_then(|x| x.cache_write), "cache_write").unwrap_or(input);
-        Price {
+        let mut price = Price {
             input_per_1k: input,
             output_per_1k: output,
             cached_input_per_1k: cached,
             cache_write_per_1k: write,
+            tiers: [None; MAX_PRICE_TIERS],
+        };
+        let raw_tiers = pr.and_then(|x| x.tiers.as_deref()).unwrap_or_default();
+        if raw_tiers.len() > MAX_PRICE_TIERS {
+            let msg = format!("at most {MAX_PRICE_TIERS} tiers");
+            self.err::<()>(f, format!("{at}.tiers"), msg);
         }
+        let mut last = 0;
+        for (i, t) in raw_tiers.iter().take(MAX_PRICE_TIERS).enumerate() {
+            let tp = |k: &str| format!("{at}.tiers[{i}].{k}");
+            let above = match t.above_input_tokens {
+                Some(n) if n > last => n,
+                Some(_) => self.err(
+                    f,
+                    tp("above_input_tokens"),
+                    "must be above 0 and above the tier before it (tiers ascend)",
+                ),
+                None => self.err(
+                    f,
+                    tp("above_input_tokens"),
+                    "is required: the input tokens above which this tier's prices apply",
+                ),
+            };
+            last = above.max(last);
+            // A side the tier does not give is the base's; cache rates default to the
+            // tier's input, as in the base price.
+            let mut side = |v: Option<f64>, k: &str| v.map(|u| self.usd(f, tp(k), u, false));
+            let t_in = side(t.input, "input").unwrap_or(input);
+            let t_out = side(t.output, "output").unwrap_or(output);
+            let t_cached = side(t.cached_input, "cached_input").unwrap_or(t_in);
+            let t_write = side(t.cache_write, "cache_write").unwrap_or(t_in);
+            price.tiers[i] = Some(PriceTier {
+                above_input_tokens: above,
+                input_per_1k: t_in,
+                output_per_1k: t_out,
+                cached_input_per_1k: t_cached,
+                cache_write_per_1k: t_write,
+            });
+        }
+        price
     }
 
     pub(super) fn route(
@@ -242,6 +281,13 @@ impl V<'_> {
             ),
             other => other.map(Arc::from),
         };
+        if r.static_on_budget == Some(true) && r.static_response.is_none() {
+            self.err::<()>(
+                f,
+                p("static_on_budget"),
+                "needs a static_response to answer with",
+            );
+        }
         let default_max_output_tokens = r
             .default_max_output_tokens
             .map(|n| self.nonzero(f, p("default_max_output_tokens"), Some(&n), n));
@@ -249,6 +295,7 @@ impl V<'_> {
             model: model.into(),
             chain,
             static_response,
+            static_on_budget: r.static_on_budget.unwrap_or(false),
             default_max_output_tokens,
         }
     }

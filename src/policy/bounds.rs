@@ -17,6 +17,63 @@ const GLOB_RESERVED: &[char] = &[
 pub(super) struct Known<'a> {
     pub(super) backends: &'a HashMap<&'a str, usize>,
     pub(super) models: &'a HashSet<&'a str>,
+    /// The consumers and teams the virtual keys name, sorted; `None` without keys (ids then
+    /// come from headers, so any id may turn up).
+    pub(super) people: Option<People<'a>>,
+}
+
+/// The consumers and teams virtual keys name.
+pub(super) struct People<'a> {
+    pub(super) consumers: Vec<&'a str>,
+    pub(super) teams: Vec<&'a str>,
+}
+
+impl<'a> People<'a> {
+    pub(super) fn of(identity: &'a IdentityCfg) -> Option<People<'a>> {
+        if identity.virtual_keys.is_empty() {
+            return None;
+        }
+        let mut consumers: Vec<&str> = identity.virtual_keys.iter().map(|k| &*k.consumer).collect();
+        // An unkeyed request (require_key: false) is the default consumer's.
+        if !identity.require_key {
+            consumers.push(&identity.default_consumer);
+        }
+        let mut teams: Vec<&str> = identity
+            .virtual_keys
+            .iter()
+            .filter_map(|k| k.team.as_deref())
+            .collect();
+        for v in [&mut consumers, &mut teams] {
+            v.sort_unstable();
+            v.dedup();
+        }
+        Some(People { consumers, teams })
+    }
+
+    /// A message when `m` on a `scope` bound names nobody a key names, else `None`.
+    fn nobody(&self, scope: Scope, m: &Match) -> Option<String> {
+        let (what, known) = match scope {
+            Scope::Consumer => ("consumer", &self.consumers),
+            Scope::Team => ("team", &self.teams),
+            _ => return None,
+        };
+        if known.iter().any(|id| m.matches(id)) {
+            return None;
+        }
+        let list = if known.is_empty() {
+            "none".to_string()
+        } else {
+            known
+                .iter()
+                .map(|k| format!("`{k}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        Some(format!(
+            "`{}` names no {what} of the virtual keys, so this bound would apply to nobody; the keys' {what}s: {list}",
+            m.as_str()
+        ))
+    }
 }
 
 /// The keys every bound has, borrowed from a `RawLimit` or `RawBudget`.
@@ -93,8 +150,13 @@ impl V<'_> {
                 self.err::<()>(f, p("match"), msg);
                 Match::Any
             }
-            pat if pat.contains('*') => Match::Glob(pat.into()),
+            pat if pat.contains('*') => {
+                let m = Match::Glob(pat.into());
+                self.names_somebody(f, &p("match"), scope, &m, known);
+                m
+            }
             id => {
+                self.names_somebody(f, &p("match"), scope, &Match::Id(id.into()), known);
                 if scope == Some(Scope::Backend) && !known.backends.contains_key(id) {
                     self.err::<()>(
                         f,
@@ -121,6 +183,24 @@ impl V<'_> {
         (name, scope.unwrap_or(Scope::Global), matcher, window)
     }
 
+    /// A `match` on a consumer or team bound must name an id a virtual key names (SPEC §10):
+    /// a typo must not make a budget apply to nobody.
+    fn names_somebody(
+        &mut self,
+        f: usize,
+        path: &str,
+        scope: Option<Scope>,
+        m: &Match,
+        known: &Known,
+    ) {
+        let (Some(scope), Some(people)) = (scope, &known.people) else {
+            return;
+        };
+        if let Some(msg) = people.nobody(scope, m) {
+            self.err::<()>(f, path, msg);
+        }
+    }
+
     pub(super) fn alerts(&mut self, f: usize, path: String, v: &Option<Vec<f64>>) -> Vec<f64> {
         let mut out = Vec::new();
         for &a in v.iter().flatten() {
@@ -133,6 +213,16 @@ impl V<'_> {
         out.sort_by(f64::total_cmp);
         out.dedup();
         out
+    }
+
+    /// `enforce`: `hard` (the default) or `shadow`.
+    fn enforce(&mut self, f: usize, path: String, v: &Option<String>) -> Enforce {
+        match v {
+            None => Enforce::Hard,
+            Some(s) => self
+                .one_of(f, &path, s, &Enforce::ALL.map(|e| (e.as_str(), e)))
+                .unwrap_or_default(),
+        }
     }
 
     pub(super) fn limit(&mut self, it: &Item<RawLimit>, class: BoundClass, known: &Known) -> Bound {
@@ -175,6 +265,7 @@ impl V<'_> {
             );
         }
         let alert_at = self.alerts(f, p("alert_at"), &l.alert_at);
+        let enforce = self.enforce(f, p("enforce"), &l.enforce);
         Bound {
             name: name.into(),
             class,
@@ -184,6 +275,7 @@ impl V<'_> {
             hard,
             soft: Limits::default(),
             alert_at,
+            enforce,
         }
     }
 
@@ -237,6 +329,7 @@ impl V<'_> {
             }
         }
         let alert_at = self.alerts(f, p("alert_at"), &b.alert_at);
+        let enforce = self.enforce(f, p("enforce"), &b.enforce);
         Bound {
             name: name.into(),
             class: BoundClass::Budget,
@@ -246,6 +339,7 @@ impl V<'_> {
             hard,
             soft,
             alert_at,
+            enforce,
         }
     }
 }

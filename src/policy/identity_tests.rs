@@ -111,7 +111,8 @@ fn team_scope_and_glob_matches() {
     let p = from_str(
         &format!(
             "{BASE}budgets:\n  - {{name: t, scope: team, match: 'team-*', window: month, hard_usd: 50}}\n  - {{name: m, scope: model, match: 'gpt-*', window: day, hard_tokens: 5}}\n"
-        ),
+        )
+        .replace("base_url: 'http://127.0.0.1:9/v1'}", "base_url: 'http://127.0.0.1:9/v1', price_per_1k: {input: 0.001, output: 0.001}}"),
         "p.yaml",
     )
     .unwrap();

@@ -235,6 +235,20 @@ pub fn summary(p: &Policy) -> String {
     s
 }
 
+/// The virtual keys whose `key_env` is unset or empty now: (consumer, variable name).
+pub fn unset_key_envs(p: &Policy) -> Vec<(&str, &str)> {
+    p.identity
+        .virtual_keys
+        .iter()
+        .filter_map(|k| match &k.secret {
+            types::KeySource::Env(env) => std::env::var_os(env)
+                .is_none_or(|v| v.is_empty())
+                .then_some((&*k.consumer, env.as_str())),
+            types::KeySource::Sha256(_) => None,
+        })
+        .collect()
+}
+
 fn identity_state_audit(s: &mut String, p: &Policy) {
     let id = &p.identity;
     let _ = write!(

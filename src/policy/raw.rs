@@ -167,6 +167,18 @@ pub struct RawPrice {
     pub output: Option<f64>,
     pub cached_input: Option<f64>,
     pub cache_write: Option<f64>,
+    pub tiers: Option<Vec<RawPriceTier>>,
+}
+
+/// A long-context tier: above this many input tokens, these rates on the whole call.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPriceTier {
+    pub above_input_tokens: Option<u64>,
+    pub input: Option<f64>,
+    pub output: Option<f64>,
+    pub cached_input: Option<f64>,
+    pub cache_write: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -193,6 +205,7 @@ pub struct RawRoute {
     pub model: Option<Text>,
     pub chain: Option<Vec<RawChainEntry>>,
     pub static_response: Option<String>,
+    pub static_on_budget: Option<bool>,
     pub default_max_output_tokens: Option<u32>,
 }
 
@@ -218,6 +231,7 @@ pub struct RawLimit {
     pub limit_requests: Option<u64>,
     pub limit_usd: Option<f64>,
     pub alert_at: Option<Vec<f64>>,
+    pub enforce: Option<String>,
 }
 
 /// An entry of `budgets`.
@@ -236,6 +250,7 @@ pub struct RawBudget {
     pub hard_usd: Option<f64>,
     pub soft_usd: Option<f64>,
     pub alert_at: Option<Vec<f64>>,
+    pub enforce: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -276,6 +276,8 @@ fn validation_errors() {
         (format!("{m}quotas:\n  - {{name: q, scope: consumer, window: week, limit_tokens: 9}}\n"), "quotas[0].window", 10, "expected one of minute"),
         (format!("{m}quotas:\n  - {{name: q, scope: backend, match: gemni, window: day, limit_tokens: 9}}\n"), "quotas[0].match", 10, "no backend with id `gemni`"),
         (format!("{m}budgets:\n  - {{name: b, scope: job, soft_tokens: 5}}\n"), "budgets[0]", 10, "at least one hard limit"),
+        (format!("{m}quotas:\n  - {{name: q, scope: global, window: day, limit_tokens: 9, enforce: soft}}\n"), "quotas[0].enforce", 10, "expected one of hard, shadow"),
+        (format!("{m}budgets:\n  - {{name: b, scope: job, hard_tokens: 5, enforce: dry-run}}\n"), "budgets[0].enforce", 10, "expected one of hard, shadow"),
         (format!("{m}budgets:\n  - name: b\n    scope: job\n    hard_tokens: 5\n    soft_tokens: 6\n"), "budgets[0].soft_tokens", 13, "must not exceed hard_tokens"),
         (format!("{m}budgets:\n  - {{name: b, scope: job, hard_usd: 1}}\nrate_limits:\n  - {{name: b, scope: job, limit_tokens: 1}}\n"), "budgets[0].name", 10, "duplicate bound name `b`"),
         (format!("{m}identity:\n  virtual_keys:\n    - {{consumer: web}}\n"), "identity.virtual_keys[0].key_env", 11, "is required"),
@@ -399,6 +401,10 @@ fn money_conversion() {
     assert_eq!(b.worst_cost(2000, 1000), 3000 + 2000);
     let src = format!(
         "{MINIMAL}budgets:\n  - {{name: j, scope: job, hard_usd: 0.03, soft_usd: 0.024}}\n"
+    )
+    .replace(
+        "base_url: http://127.0.0.1:9/v1/\n",
+        "base_url: http://127.0.0.1:9/v1/\n    price_per_1k: {input: 0.001, output: 0.001}\n",
     );
     let p = from_str(&src, "m.yaml").expect("valid");
     assert_eq!(
@@ -728,4 +734,79 @@ fn summary_names_identity_state_audit_and_unset_keys() {
         ineligible_reason(&p.backends[0]).as_deref(),
         Some("key $TOLLGATE_TEST_POLICY_KEY_UNSET_2 unset")
     );
+}
+
+#[test]
+fn long_context_tiers_price_the_whole_call() {
+    let src = MINIMAL.replace(
+        "base_url: http://127.0.0.1:9/v1/\n",
+        "base_url: http://127.0.0.1:9/v1/\n    price_per_1k: {input: 0.00125, output: 0.01, tiers: [{above_input_tokens: 200000, input: 0.0025, output: 0.015}]}\n",
+    );
+    let p = from_str(&src, "t.yaml").expect("valid");
+    let price = p.backends[0].price;
+    // At the threshold: the base rates. 200,000 × $0.00125/1k + 1,000 × $0.01/1k.
+    assert_eq!(price.cost(200_000, 1_000), 250_000 + 10_000);
+    // One token above: the tier's rates on every token, input and output.
+    assert_eq!(price.cost(200_001, 1_000), 500_003 + 15_000);
+    let billed = crate::policy::Billed {
+        input: 300_000,
+        output: 2_000,
+        ..Default::default()
+    };
+    assert_eq!(price.cost_billed(billed), 750_000 + 30_000);
+    // A tier's cache rates default to its own input rate.
+    let t = price.tiers[0].unwrap();
+    assert_eq!((t.cached_input_per_1k, t.cache_write_per_1k), (2500, 2500));
+    // Tiers must ascend and name their threshold.
+    for (tiers, path) in [
+        (
+            "[{above_input_tokens: 200000, input: 1}, {above_input_tokens: 100000, input: 2}]",
+            "tiers[1].above_input_tokens",
+        ),
+        ("[{input: 1}]", "tiers[0].above_input_tokens"),
+    ] {
+        let bad = MINIMAL.replace(
+            "base_url: http://127.0.0.1:9/v1/\n",
+            &format!("base_url: http://127.0.0.1:9/v1/\n    price_per_1k: {{input: 0.001, tiers: {tiers}}}\n"),
+        );
+        let e = errors(&bad);
+        assert!(e.iter().any(|e| e.to_string().contains(path)), "{e:?}");
+    }
+}
+
+#[test]
+fn a_dollar_bound_on_an_unpriced_entry_is_an_error_unless_local() {
+    let budget = "budgets:\n  - {name: spend, scope: global, window: month, hard_usd: 10}\n";
+    let e = errors(&format!("{MINIMAL}{budget}"));
+    let msg = e
+        .iter()
+        .map(|e| e.to_string())
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(
+        msg.contains("routes[0].chain[0]") && msg.contains("`spend`"),
+        "{msg}"
+    );
+    assert!(msg.contains("no price for backend `primary`"), "{msg}");
+    // A free price said out loud, an entry's own price, or a local kind: accepted.
+    let free = MINIMAL.replace(
+        "base_url: http://127.0.0.1:9/v1/\n",
+        "base_url: http://127.0.0.1:9/v1/\n    price_per_1k: {input: 0, output: 0}\n",
+    );
+    from_str(&format!("{free}{budget}"), "p.yaml").expect("priced at zero");
+    let entry = MINIMAL.replace(
+        "{backend: primary, model: small}",
+        "{backend: primary, model: small, price_per_1k: {input: 0.001, output: 0.001}}",
+    );
+    from_str(&format!("{entry}{budget}"), "p.yaml").expect("entry priced");
+    let local = MINIMAL.replace("kind: openai", "kind: ollama");
+    from_str(&format!("{local}{budget}"), "p.yaml").expect("ollama is free");
+    // A token budget needs no price; a dollar bound on another backend does not apply.
+    from_str(
+        &format!(
+            "{MINIMAL}budgets:\n  - {{name: t, scope: global, window: month, hard_tokens: 10}}\n"
+        ),
+        "p.yaml",
+    )
+    .expect("tokens only");
 }

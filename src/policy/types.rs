@@ -138,6 +138,23 @@ pub struct Price {
     pub cached_input_per_1k: Micros,
     /// Input tokens written to the provider's prompt cache.
     pub cache_write_per_1k: Micros,
+    /// Long-context tiers, ascending by threshold: a call with more input tokens than a tier's
+    /// threshold pays that tier's rates on the whole call, as Gemini and Claude bill. Inline
+    /// (no allocation) so a price stays `Copy` on the request path.
+    pub tiers: [Option<PriceTier>; MAX_PRICE_TIERS],
+}
+
+/// Most long-context tiers one price may carry.
+pub const MAX_PRICE_TIERS: usize = 4;
+
+/// The rates of calls whose input is above `above_input_tokens`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PriceTier {
+    pub above_input_tokens: u64,
+    pub input_per_1k: Micros,
+    pub output_per_1k: Micros,
+    pub cached_input_per_1k: Micros,
+    pub cache_write_per_1k: Micros,
 }
 
 /// Billed tokens of one call: `input` counts every input token, `cached` and `cache_write`
@@ -151,11 +168,34 @@ pub struct Billed {
 }
 
 impl Price {
+    /// The flat rates a call with `input_tokens` of input pays: its tier's, else the base's.
+    pub fn for_input(&self, input_tokens: u64) -> Price {
+        let tier = self
+            .tiers
+            .iter()
+            .flatten()
+            .rfind(|t| input_tokens > t.above_input_tokens);
+        match tier {
+            Some(t) => Price {
+                input_per_1k: t.input_per_1k,
+                output_per_1k: t.output_per_1k,
+                cached_input_per_1k: t.cached_input_per_1k,
+                cache_write_per_1k: t.cache_write_per_1k,
+                tiers: [None; MAX_PRICE_TIERS],
+            },
+            None => Price {
+                tiers: [None; MAX_PRICE_TIERS],
+                ..*self
+            },
+        }
+    }
+
     /// Worst-case cost of a call in whole micro-dollars, rounded up (never under-reserve):
     /// input at the dearest input rate, since the cache split is known only afterwards.
     pub fn cost(&self, input_tokens: u64, output_tokens: u64) -> Micros {
-        let num = (input_tokens as u128) * (self.worst_input_per_1k() as u128)
-            + (output_tokens as u128) * (self.output_per_1k as u128);
+        let p = self.for_input(input_tokens);
+        let num = (input_tokens as u128) * (p.worst_input_per_1k() as u128)
+            + (output_tokens as u128) * (p.output_per_1k as u128);
         num.div_ceil(1000).min(u64::MAX as u128) as u64
     }
 
@@ -169,13 +209,14 @@ impl Price {
     /// Actual cost of a call with its cache split, rounded up. Cached and written tokens are
     /// taken out of `input` (never more than it); the rest is plain input.
     pub fn cost_billed(&self, b: Billed) -> Micros {
+        let p = self.for_input(b.input);
         let cached = b.cached.min(b.input);
         let write = b.cache_write.min(b.input - cached);
         let plain = b.input - cached - write;
-        let num = (plain as u128) * (self.input_per_1k as u128)
-            + (cached as u128) * (self.cached_input_per_1k as u128)
-            + (write as u128) * (self.cache_write_per_1k as u128)
-            + (b.output as u128) * (self.output_per_1k as u128);
+        let num = (plain as u128) * (p.input_per_1k as u128)
+            + (cached as u128) * (p.cached_input_per_1k as u128)
+            + (write as u128) * (p.cache_write_per_1k as u128)
+            + (b.output as u128) * (p.output_per_1k as u128);
         num.div_ceil(1000).min(u64::MAX as u128) as u64
     }
 }
@@ -278,6 +319,9 @@ pub struct Route {
     pub model: Arc<str>,
     pub chain: Vec<ChainEntry>,
     pub static_response: Option<Arc<str>>,
+    /// A spend bound (consumer, team, job, global budget) that stops the request is answered
+    /// with the static response too, instead of its refusal (SPEC §10; default false).
+    pub static_on_budget: bool,
     /// The output cap per choice when the client sends none (overrides
     /// `estimate.default_max_output_tokens` for this route).
     pub default_max_output_tokens: Option<u32>,
@@ -409,6 +453,36 @@ pub struct Bound {
     pub soft: Limits,
     /// Fractions of the hard limit at which an alert fires once per window.
     pub alert_at: Vec<f64>,
+    /// `enforce`: whether the hard limits refuse (`hard`) or are only reported (`shadow`).
+    pub enforce: Enforce,
+}
+
+impl Bound {
+    /// A shadow bound is counted like any other but never refuses, lowers an output cap or
+    /// shows in the rate-limit headers: it only reports what it would have done.
+    pub fn is_shadow(&self) -> bool {
+        self.enforce == Enforce::Shadow
+    }
+}
+
+/// `enforce` on a rate limit, quota or budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Enforce {
+    /// The default: the hard limits refuse.
+    #[default]
+    Hard,
+    /// Counted, never refuses; a request it would have refused is marked (SPEC §9).
+    Shadow,
+}
+
+impl Enforce {
+    pub const ALL: [Enforce; 2] = [Enforce::Hard, Enforce::Shadow];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Enforce::Hard => "hard",
+            Enforce::Shadow => "shadow",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -67,6 +67,7 @@ pub(crate) fn validate(
     let known = Known {
         backends: &by_id,
         models: &models,
+        people: super::bounds::People::of(&identity),
     };
     let mut bounds = Vec::new();
     for (list, class) in [
@@ -77,6 +78,7 @@ pub(crate) fn validate(
     }
     bounds.extend(m.budgets.iter().map(|b| v.budget(b, &known)));
     v.unique_bound_names(&m);
+    v.priced_where_budgeted(&m, &backends, &routes, &bounds);
     let (retry, fallback, degrade, defer) =
         (v.retry(&m), v.fallback(&m), v.degrade(&m), v.defer(&m));
     let (state, audit) = (v.state(&m), v.audit(&m));
@@ -130,6 +132,53 @@ pub(crate) fn validate(
         telemetry,
         route_index,
     })
+}
+
+impl V<'_> {
+    /// A dollar bound on a call to an entry without a price would count it as $0 (SPEC §10):
+    /// an error, unless the backend is a local kind that costs nothing (`ollama`).
+    fn priced_where_budgeted(
+        &mut self,
+        m: &Merged,
+        backends: &[Backend],
+        routes: &[Route],
+        bounds: &[Bound],
+    ) {
+        let usd_bounds: Vec<&Bound> = bounds
+            .iter()
+            .filter(|b| b.hard.usd.is_some() || b.soft.usd.is_some())
+            .collect();
+        if usd_bounds.is_empty() {
+            return;
+        }
+        for (ri, r) in routes.iter().enumerate() {
+            for (ci, c) in r.chain.iter().enumerate() {
+                let Some(b) = backends.get(c.backend) else {
+                    continue;
+                };
+                let priced = c.price.is_some()
+                    || m.backends
+                        .get(c.backend)
+                        .is_some_and(|raw| raw.v.price_per_1k.is_some());
+                if priced || b.kind == BackendKind::Ollama {
+                    continue;
+                }
+                let applies = usd_bounds.iter().find(|u| match u.scope {
+                    crate::units::Scope::Backend => u.matcher.matches(&b.id),
+                    crate::units::Scope::Model => u.matcher.matches(&c.model),
+                    _ => true,
+                });
+                if let Some(u) = applies {
+                    let (f, at) = m.routes.get(ri).map_or((0, ri), |i| (i.file, i.index));
+                    let msg = format!(
+                        "no price for backend `{}` (model `{}`), but the dollar bound `{}` applies to it: give the backend or this entry a price_per_1k (`{{input: 0, output: 0}}` if it is free), or the call would count as $0",
+                        b.id, c.model, u.name
+                    );
+                    self.err::<()>(f, format!("routes[{at}].chain[{ci}]"), msg);
+                }
+            }
+        }
+    }
 }
 
 /// The validator: where errors point, and the errors found so far.

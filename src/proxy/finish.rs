@@ -35,6 +35,29 @@ pub enum Sent {
 /// Records a finished request: metrics (and alerts against `policy`'s windows), then the end
 /// of its server span. Returns the audit entry for the caller to write: awaited for a whole
 /// answer, from a task of its own for a stream (whose end may run outside an async context).
+/// One warning per failed upstream call and per circuit it opened: an operator reading the
+/// log learns that a backend is failing without the audit (ids and classes only, no body).
+fn log_failures(rec: &crate::governor::Record) {
+    use crate::governor::CircuitState;
+    for a in &rec.attempts {
+        // Skipped entries (attempt 0) made no call; `ok` and `not_retryable` were answers.
+        if a.attempt == 0 || matches!(a.outcome, "ok" | "not_retryable") {
+            continue;
+        }
+        tracing::warn!(
+            request_id = %rec.request_id,
+            backend = %a.backend,
+            model = %a.model,
+            outcome = a.outcome,
+            status = a.status,
+            "backend call failed"
+        );
+        if a.circuit_after == CircuitState::Open && a.circuit_before != CircuitState::Open {
+            tracing::warn!(backend = %a.backend, request_id = %rec.request_id, "circuit opened: the backend is skipped until it recovers");
+        }
+    }
+}
+
 pub fn close(
     governor: &Governor,
     policy: &Policy,
@@ -50,6 +73,7 @@ pub fn close(
         latency_ms: origin.at.elapsed().as_secs_f64() * 1000.0,
         record,
     };
+    log_failures(&entry.record);
     let windows = governor.windows_at(&policy.windows, crate::units::wall_ms(now));
     match sent {
         Sent::Whole(trace) => {

@@ -1,12 +1,14 @@
-//! The token rate-limit headers of every governed answer (SPEC §3.2): OpenAI's
+//! The limit headers of every governed answer (SPEC §3.2, §10): OpenAI's
 //! `x-ratelimit-{limit,remaining,reset}-tokens` for the tightest token bound, and the IETF
 //! `RateLimit-Policy` / `RateLimit` fields (draft-ietf-httpapi-ratelimit-headers, structured
-//! fields) for every windowed token bound.
+//! fields) for every windowed token and dollar bound (dollars as `qu="usd-micros"`: the
+//! fields' values are integers), and `x-tollgate-budget-remaining-usd` for the tightest dollar
+//! bound.
 
 use super::header_memo;
 use super::stamps::{Fields, Stamp};
-use crate::governor::limits::{tightest, TokenLimit};
-use crate::units::Millis;
+use crate::governor::limits::{tightest, tightest_usd, TokenLimit};
+use crate::units::{usd_decimal, Dim, Millis};
 use http::HeaderValue;
 
 /// Seconds until `at`, rounded up, never negative.
@@ -37,7 +39,7 @@ fn push_u64(out: &mut String, n: u64) {
 }
 
 /// A bound name as a structured-field string: printable ASCII, `"` and `\` escaped.
-fn sf_string(out: &mut String, name: &str) {
+pub(super) fn sf_string(out: &mut String, name: &str) {
     out.push('"');
     // Names are usually plain: copied whole after one pass over their bytes.
     if name
@@ -60,7 +62,16 @@ fn sf_string(out: &mut String, name: &str) {
     out.push('"');
 }
 
-/// The windowed token bounds, with their window's length and end.
+/// The quota unit of a bound in the IETF fields: their values are integers, so dollars go as
+/// micro-dollars.
+fn quota_unit(unit: Dim) -> &'static str {
+    match unit {
+        Dim::Usd => "usd-micros",
+        Dim::Tokens | Dim::Requests => "tokens",
+    }
+}
+
+/// The windowed token and dollar bounds, with their window's length and end.
 fn windowed(limits: &[TokenLimit]) -> impl Iterator<Item = (&TokenLimit, u64, Millis)> {
     limits
         .iter()
@@ -77,7 +88,9 @@ fn policy_field(limits: &[TokenLimit]) -> String {
         sf_string(&mut policy, &l.name);
         policy.push_str(";q=");
         push_u64(&mut policy, l.limit);
-        policy.push_str(";qu=\"tokens\";w=");
+        policy.push_str(";qu=\"");
+        policy.push_str(quota_unit(l.unit));
+        policy.push_str("\";w=");
         push_u64(&mut policy, w);
     }
     policy
@@ -126,8 +139,8 @@ fn state_field(limits: &[TokenLimit], now: Millis) -> String {
 }
 
 /// What a `RateLimit-Policy` value was built from: each windowed bound's name (held, so an
-/// equal pointer is the same name), quota and window.
-type PolicyKey = Vec<(std::sync::Arc<str>, u64, u64)>;
+/// equal pointer is the same name), unit, quota and window.
+type PolicyKey = Vec<(std::sync::Arc<str>, Dim, u64, u64)>;
 
 thread_local! {
     /// The last `RateLimit-Policy` value this thread built. It changes only with the policy
@@ -142,8 +155,11 @@ fn policy_value(limits: &[TokenLimit]) -> Option<HeaderValue> {
     let same = |key: &PolicyKey| {
         let mut it = key.iter();
         windowed(limits).all(|(l, w, _)| {
-            it.next().is_some_and(|(n, q, kw)| {
-                (std::sync::Arc::ptr_eq(n, &l.name) || **n == *l.name) && *q == l.limit && *kw == w
+            it.next().is_some_and(|(n, u, q, kw)| {
+                (std::sync::Arc::ptr_eq(n, &l.name) || **n == *l.name)
+                    && *u == l.unit
+                    && *q == l.limit
+                    && *kw == w
             })
         }) && it.next().is_none()
     };
@@ -154,7 +170,7 @@ fn policy_value(limits: &[TokenLimit]) -> Option<HeaderValue> {
         }
         let v = HeaderValue::from_maybe_shared(bytes::Bytes::from(policy)).ok()?;
         let key = windowed(limits)
-            .map(|(l, w, _)| (l.name.clone(), l.limit, w))
+            .map(|(l, w, _)| (l.name.clone(), l.unit, l.limit, w))
             .collect();
         Some((key, v))
     })
@@ -163,23 +179,50 @@ fn policy_value(limits: &[TokenLimit]) -> Option<HeaderValue> {
 /// Stamps the token rate-limit headers of an answer whose call was admitted. Every value is
 /// carriable as made: digits, an OpenAI duration, structured-field strings of printable ASCII.
 pub fn stamp(f: &mut impl Fields, limits: &[TokenLimit]) {
-    let Some(t) = tightest(limits) else {
+    if limits.is_empty() {
         return;
-    };
+    }
     let now = crate::units::now_ms();
-    let mut n = itoa::Buffer::new();
-    f.put_known(Stamp::LimitTokens, n.format(t.limit).as_bytes());
-    f.put_known(Stamp::RemainingTokens, n.format(t.remaining).as_bytes());
-    if let Some(reset) = t.resets_at_ms {
+    if let Some(t) = tightest(limits) {
+        let mut n = itoa::Buffer::new();
+        f.put_known(Stamp::LimitTokens, n.format(t.limit).as_bytes());
+        f.put_known(Stamp::RemainingTokens, n.format(t.remaining).as_bytes());
+        if let Some(reset) = t.resets_at_ms {
+            f.put_known(
+                Stamp::ResetTokens,
+                openai_duration(secs_until(reset, now)).as_bytes(),
+            );
+        }
+    }
+    if let Some(u) = tightest_usd(limits) {
+        let mut b = [0u8; 28];
         f.put_known(
-            Stamp::ResetTokens,
-            openai_duration(secs_until(reset, now)).as_bytes(),
+            Stamp::BudgetRemainingUsd,
+            usd_decimal(u.remaining, &mut b).as_bytes(),
         );
     }
     if let Some(p) = policy_value(limits) {
         f.put_known(Stamp::RateLimitPolicy, p.as_bytes());
         f.put_known(Stamp::RateLimit, state_field(limits, now).as_bytes());
     }
+}
+
+/// `x-tollgate-shadow`: the shadow bounds that would have refused this request (SPEC §9),
+/// comma-separated. Nothing is written (or allocated) when there are none.
+pub fn stamp_shadow(f: &mut impl Fields, shadow: &[crate::governor::limits::LimitDetail]) {
+    let Some((first, rest)) = shadow.split_first() else {
+        return;
+    };
+    let mut v = String::with_capacity(16 * shadow.len());
+    v.push_str(&first.name);
+    for l in rest {
+        // One name per bound, though a glob bound may note several ids.
+        if !v.split(", ").any(|n| n == &*l.name) {
+            v.push_str(", ");
+            v.push_str(&l.name);
+        }
+    }
+    f.put(Stamp::Shadow, v.as_bytes());
 }
 
 #[cfg(test)]
@@ -190,6 +233,7 @@ mod tests {
     fn tl(name: &str, rate: bool, limit: u64, remaining: u64, w: Option<u64>) -> TokenLimit {
         TokenLimit {
             name: Arc::from(name),
+            unit: Dim::Tokens,
             rate,
             limit,
             remaining,

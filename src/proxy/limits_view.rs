@@ -37,7 +37,8 @@ pub fn answer(app: &App, snap: &Snapshot, headers: &HeaderMap) -> Response<Body>
     let mut limits = Vec::new();
     for b in &policy.bounds {
         for (shown, key) in counters_of(policy, b, &caller, &windows) {
-            let (used, reserved) = match key.as_ref().and_then(|k| app.governor.ledger.get(k)) {
+            let counter = key.as_ref().and_then(|k| app.governor.ledger.get(k));
+            let (used, reserved) = match &counter {
                 Some(c) => (c.committed(), c.reserved()),
                 None => (Amount::ZERO, Amount::ZERO),
             };
@@ -47,7 +48,13 @@ pub fn answer(app: &App, snap: &Snapshot, headers: &HeaderMap) -> Response<Body>
                 if hard.is_none() && soft.is_none() {
                     continue;
                 }
-                limits.push(entry(b, &shown, d, used, reserved, hard, soft, &resets_at));
+                let mut e = entry(b, &shown, d, used, reserved, hard, soft, &resets_at);
+                let projection = key
+                    .as_ref()
+                    .zip(counter.as_deref())
+                    .and_then(|kc| app.governor.forecast(policy, b, kc, d, now));
+                forecast_fields(&mut e, policy, b, d, projection, now);
+                limits.push(e);
             }
         }
     }
@@ -163,18 +170,48 @@ fn entry(
     })
 }
 
-/// Micro-dollars as `$1,234.56` (cents, rounded up so a sliver of use never shows as $0.00).
-pub fn dollars(micros: u64) -> String {
-    let cents = micros.div_ceil(10_000);
-    let whole = (cents / 100).to_string();
-    let mut grouped = String::with_capacity(whole.len() + whole.len() / 3);
-    for (i, c) in whole.chars().enumerate() {
-        if i > 0 && (whole.len() - i).is_multiple_of(3) {
-            grouped.push(',');
-        }
-        grouped.push(c);
+/// `enforce`, and for a windowed quota or budget its burn-rate forecast (SPEC §9): the
+/// hourly burn over the trailing hour and day, and when, at the faster, the hard limit is hit
+/// (`exhausts_at`, `projected_exhaustion_seconds`; null when the window turns first or
+/// nothing burns).
+pub fn forecast_fields(
+    e: &mut Value,
+    policy: &Policy,
+    b: &Bound,
+    d: Dim,
+    p: Option<crate::governor::forecast::Projection>,
+    now: i64,
+) {
+    let Some(o) = e.as_object_mut() else {
+        return;
+    };
+    o.insert("enforce".into(), json!(b.enforce.as_str()));
+    if !crate::governor::forecast::forecast_applies(b) || b.hard.get(d).is_none() {
+        return;
     }
-    format!("${grouped}.{:02}", cents % 100)
+    let rate = |r: Option<f64>| match d {
+        Dim::Usd => json!(r.map(|r| r / 1e6)),
+        _ => json!(r),
+    };
+    let p = p.unwrap_or(crate::governor::forecast::Projection {
+        per_hour_1h: None,
+        per_hour_24h: None,
+        exhausts_at_ms: None,
+    });
+    o.insert("burn_per_hour_1h".into(), rate(p.per_hour_1h));
+    o.insert("burn_per_hour_24h".into(), rate(p.per_hour_24h));
+    let at = p.exhausts_at_ms.map(|ms| rfc3339(policy, ms));
+    o.insert("exhausts_at".into(), json!(at));
+    o.insert(
+        "projected_exhaustion_seconds".into(),
+        json!(p.seconds_from(now)),
+    );
+}
+
+/// Micro-dollars as people read them (`$1,234.57`, `$0.000096`): below a dollar every
+/// non-zero digit is kept, so $0.000096 of $0.0001 never reads as "$0.01 of $0.01".
+pub fn dollars(micros: u64) -> String {
+    crate::units::fmt_usd(micros)
 }
 
 /// A window end as RFC 3339 with the policy zone's offset.
@@ -207,9 +244,11 @@ mod tests {
     use super::dollars;
 
     #[test]
-    fn dollars_are_grouped_and_rounded_up_to_the_cent() {
+    fn dollars_are_grouped_and_small_amounts_keep_their_digits() {
         assert_eq!(dollars(0), "$0.00");
-        assert_eq!(dollars(1), "$0.01");
+        assert_eq!(dollars(1), "$0.000001");
+        assert_eq!(dollars(96), "$0.000096");
+        assert_eq!(dollars(100), "$0.0001");
         assert_eq!(dollars(49_450_000), "$49.45");
         assert_eq!(dollars(1_234_567_890_000), "$1,234,567.89");
         assert_eq!(dollars(50_000_000), "$50.00");

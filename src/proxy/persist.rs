@@ -16,7 +16,13 @@ pub struct State {
     persister: Option<Persister>,
     /// The shared store, for the readiness probe.
     pub redis: Option<RedisStore>,
+    /// The leased slices (`state.slices`), given back at shutdown.
+    sliced: Option<Arc<crate::state::SlicedStore>>,
 }
+
+/// How long a stopping replica tries to give its slices back: what it cannot return is
+/// freed by Redis when the lease ends.
+const GIVE_BACK_WITHIN: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl State {
     /// Opens the state the policy asks for. SQLite: loads counters (ended windows dropped),
@@ -29,6 +35,7 @@ impl State {
                 governor: Arc::new(Governor::new(ledger)),
                 persister: None,
                 redis: None,
+                sliced: None,
             }),
             StateBackend::Sqlite => {
                 let mut store = SqliteStore::open(std::path::Path::new(&cfg.path))?;
@@ -58,6 +65,7 @@ impl State {
                     governor,
                     persister: Some(persister),
                     redis: None,
+                    sliced: None,
                 })
             }
             StateBackend::Redis => {
@@ -68,23 +76,38 @@ impl State {
                     lease_ms = cfg.lease.as_millis() as u64,
                     "state: counters shared through Redis"
                 );
-                let shared: Arc<dyn crate::ledger::SharedCounters> = if cfg.slices {
+                let sliced = cfg.slices.then(|| {
                     tracing::info!("state: slices on (docs/scale-out-slices.md)");
                     Arc::new(crate::state::SlicedStore::new(store.clone()))
-                } else {
-                    Arc::new(store.clone())
+                });
+                let shared: Arc<dyn crate::ledger::SharedCounters> = match &sliced {
+                    Some(s) => s.clone(),
+                    None => Arc::new(store.clone()),
                 };
                 Ok(State {
                     governor: Arc::new(Governor::with_shared(ledger, shared)),
                     persister: None,
                     redis: Some(store),
+                    sliced,
                 })
             }
         }
     }
 
-    /// Flushes and stops the write-behind thread (after the listeners have drained).
+    /// After the listeners have drained: gives leased slices back (requests in flight have
+    /// settled by now, and the rest of the fleet can spend them at once instead of after the
+    /// lease), then flushes and stops the write-behind thread.
     pub async fn finish(self) {
+        if let Some(s) = self.sliced {
+            if s.give_back_all(GIVE_BACK_WITHIN).await {
+                tracing::info!("state: every slice given back");
+            } else {
+                tracing::warn!(
+                    left = s.slices(),
+                    "state: slices not given back (Redis did not answer); freed when their lease ends"
+                );
+            }
+        }
         if let Some(p) = self.persister {
             let _ = tokio::task::spawn_blocking(move || p.finish()).await;
         }

@@ -342,6 +342,42 @@ pub fn fields(f: &mut impl Fields, rec: &Record, snap: &Snapshot) {
     f.put(Stamp::Backend, rec.backend.as_bytes());
     f.put_known(Stamp::PolicyVersion, snap.version_header.as_bytes());
     super::limit_headers::stamp(f, &rec.token_limits);
+    super::limit_headers::stamp_shadow(f, &rec.shadow);
+    if let Some(l) = &rec.limit {
+        f.put(Stamp::Limit, limit_field(l).as_bytes());
+    }
+}
+
+/// The `x-tollgate-limit` value naming the bound that stopped a request, as a structured
+/// field: `"team-monthly";kind="budget";scope="team";id="data";unit="usd"`. Only refusals and
+/// static answers in their place carry it, so the one allocation is off the served path.
+fn limit_field(l: &LimitDetail) -> String {
+    let mut s = String::with_capacity(64 + l.name.len() + l.id.len());
+    super::limit_headers::sf_string(&mut s, &l.name);
+    for (k, v) in [
+        ("kind", l.kind),
+        ("scope", l.scope),
+        ("id", &*l.id),
+        ("unit", l.unit.as_str()),
+    ] {
+        s.push(';');
+        s.push_str(k);
+        s.push('=');
+        super::limit_headers::sf_string(&mut s, v);
+    }
+    s
+}
+
+/// Stamps `x-tollgate-cost-usd` (micro-dollars, written as exact dollars) on an answer that
+/// [`stamp`] stamped.
+pub fn stamp_cost<B>(resp: &mut Response<B>, micros: u64) {
+    if let Some(s) = resp.extensions_mut().get_mut::<super::stamps::Stamps>() {
+        let mut b = [0u8; 28];
+        s.put_known(
+            Stamp::CostUsd,
+            crate::units::usd_decimal(micros, &mut b).as_bytes(),
+        );
+    }
 }
 
 /// The OpenAI-style error response for a refusal, stamped with the record.
@@ -428,6 +464,7 @@ pub fn static_answer(
     resp.headers_mut()
         .insert(http::header::CONTENT_TYPE, HeaderValue::from_static(ctype));
     stamp(&mut resp, rec, snap);
+    stamp_cost(&mut resp, 0);
     resp
 }
 

@@ -35,6 +35,26 @@ pub async fn sweep(app: Arc<App>, mut stop: watch::Receiver<bool>) {
     }
 }
 
+/// How often the burn-rate forecasts are sampled and judged (off the request path).
+pub const FORECAST_EVERY: Duration = Duration::from_secs(10);
+
+/// Samples the windowed quotas' and budgets' counters, sends `forecast` alerts and sets the
+/// projected-exhaustion gauges (SPEC §9).
+pub async fn forecast(app: Arc<App>, mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(FORECAST_EVERY);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                let snap = app.snap.load();
+                let now = jiff::Timestamp::now().as_millisecond();
+                let found = app.governor.forecast_tick(&snap.policy, now);
+                crate::telemetry::publish_forecasts(&snap.policy, &found, now);
+            }
+            _ = stop.changed() => return,
+        }
+    }
+}
+
 /// The connection settings of a port, read from the policy in force at each accept (so a
 /// reload changes them for new connections).
 fn builder(header_timeout: Duration) -> auto::Builder<TokioExecutor> {

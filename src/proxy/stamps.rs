@@ -24,10 +24,17 @@ pub enum Stamp {
     ResetTokens,
     RateLimitPolicy,
     RateLimit,
+    Shadow,
+    /// The bound that stopped the request (a refusal, or a static answer in its place).
+    Limit,
+    /// What a served answer cost, in dollars.
+    CostUsd,
+    /// Dollars left on the tightest dollar bound that applies.
+    BudgetRemainingUsd,
 }
 
 /// The names of the stamped fields, in [`Stamp`]'s order.
-static NAMES: [HeaderName; 10] = [
+static NAMES: [HeaderName; 14] = [
     HeaderName::from_static("x-tollgate-request-id"),
     HeaderName::from_static("x-tollgate-action"),
     HeaderName::from_static("x-tollgate-reason"),
@@ -38,6 +45,10 @@ static NAMES: [HeaderName; 10] = [
     HeaderName::from_static("x-ratelimit-reset-tokens"),
     HeaderName::from_static("ratelimit-policy"),
     HeaderName::from_static("ratelimit"),
+    HeaderName::from_static("x-tollgate-shadow"),
+    HeaderName::from_static("x-tollgate-limit"),
+    HeaderName::from_static("x-tollgate-cost-usd"),
+    HeaderName::from_static("x-tollgate-budget-remaining-usd"),
 ];
 
 impl Stamp {

@@ -160,4 +160,7 @@ pub struct Expect {
     pub reserved_tokens: Option<u64>,
     /// Extras: how long the request waited in total (backoff, Retry-After), ms.
     pub waited_ms: Option<i64>,
+    /// Extras: the shadow bounds (`enforce: shadow`) that would have refused the request, by
+    /// name in the order noted; `[]` asserts none did.
+    pub shadow: Option<Vec<String>>,
 }

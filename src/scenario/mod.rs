@@ -426,5 +426,7 @@ fn compare(
         g.ledger.reserved_tokens(),
     );
     check(&mut out, "waited_ms", e.waited_ms, clock.waited_ms());
+    let shadow: Vec<String> = r.shadow.iter().map(|l| l.name.to_string()).collect();
+    check(&mut out, "shadow", e.shadow.clone(), shadow);
     out
 }

@@ -101,6 +101,99 @@ impl Alerts {
     }
 }
 
+/// A `forecast` alert (SPEC §9): at its trailing burn rate, a bound's hard limit is hit
+/// before its window turns. Sent once per bound, counter and window (the governor marks it).
+#[derive(Debug, Clone)]
+pub struct ForecastAlert<'a> {
+    pub bound: &'a str,
+    pub class: &'static str,
+    pub scope: &'static str,
+    pub id: &'a str,
+    pub window: Option<&'static str>,
+    pub window_start: Option<i64>,
+    pub dim: &'static str,
+    pub used: u64,
+    pub limit: u64,
+    /// Units per hour over the trailing hour and day.
+    pub per_hour_1h: Option<f64>,
+    pub per_hour_24h: Option<f64>,
+    /// RFC 3339 and seconds from now.
+    pub exhausts_at: String,
+    pub projected_exhaustion_seconds: u64,
+    pub resets_at: String,
+}
+
+impl Alerts {
+    /// Logs a forecast alert and queues its webhook POST without waiting; `false` when the
+    /// queue was full (it was still logged).
+    pub fn emit_forecast(
+        &self,
+        cfg: &AlertsCfg,
+        f: &ForecastAlert<'_>,
+        policy_version: &str,
+        ts: &str,
+    ) -> bool {
+        self.configure(cfg);
+        tracing::warn!(
+            target: "tollgate::alert",
+            alert = "forecast",
+            bound = f.bound,
+            class = f.class,
+            scope = f.scope,
+            id = f.id,
+            window = f.window.unwrap_or("none"),
+            dim = f.dim,
+            used = %text(f.dim, f.used),
+            limit = %text(f.dim, f.limit),
+            exhausts_at = %f.exhausts_at,
+            projected_exhaustion_seconds = f.projected_exhaustion_seconds,
+            resets_at = %f.resets_at,
+            policy_version,
+            "bound projected to run out before its window turns"
+        );
+        metrics::counter!(TOLLGATE_ALERTS_TOTAL, "outcome" => "logged").increment(1);
+        let sink = self.sink.load();
+        let Some(tx) = sink.as_ref().and_then(|s| s.tx.as_ref()) else {
+            return true;
+        };
+        let num = |v: u64| match f.dim {
+            "usd" => serde_json::json!(crate::units::micros_to_usd(v)),
+            _ => serde_json::json!(v),
+        };
+        let rate = |r: Option<f64>| match f.dim {
+            "usd" => serde_json::json!(r.map(|r| r / 1e6)),
+            _ => serde_json::json!(r),
+        };
+        let body = serde_json::json!({
+            "alert": "forecast",
+            "bound": f.bound,
+            "class": f.class,
+            "scope": f.scope,
+            "id": f.id,
+            "window": f.window,
+            "window_start": f.window_start,
+            "dim": f.dim,
+            "used": num(f.used),
+            "limit": num(f.limit),
+            "used_text": text(f.dim, f.used),
+            "limit_text": text(f.dim, f.limit),
+            "burn_per_hour_1h": rate(f.per_hour_1h),
+            "burn_per_hour_24h": rate(f.per_hour_24h),
+            "exhausts_at": f.exhausts_at,
+            "projected_exhaustion_seconds": f.projected_exhaustion_seconds,
+            "resets_at": f.resets_at,
+            "policy_version": policy_version,
+            "ts": ts,
+        });
+        if tx.try_send(Bytes::from(body.to_string())).is_err() {
+            metrics::counter!(TOLLGATE_ALERTS_TOTAL, "outcome" => "dropped").increment(1);
+            tracing::warn!(target: "tollgate::alert", bound = f.bound, "alert webhook queue is full: this forecast alert is dropped (it was logged)");
+            return false;
+        }
+        true
+    }
+}
+
 type HttpsClient = Client<
     hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
     Full<Bytes>,

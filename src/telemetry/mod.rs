@@ -12,6 +12,7 @@ pub mod otel;
 pub mod scope;
 pub mod shard;
 pub mod stats;
+pub mod teams;
 pub mod window;
 
 use crate::audit::Entry;
@@ -34,8 +35,13 @@ pub struct Telemetry {
     handle: Option<PrometheusHandle>,
     pub stats: Stats,
     pub alerts: alerts::Alerts,
+    /// Spend by team (`tollgate_team_*`), labels bounded by the configured keys.
+    pub teams: teams::TeamSpend,
     /// The request path's process-wide counters, split by thread.
     counts: Sharded<Counters>,
+    /// Bounds whose exhaustion gauge has been set (cleared to NaN when their forecast ends);
+    /// touched by the forecast timer only.
+    forecast_gauges: std::sync::Mutex<Vec<std::sync::Arc<str>>>,
 }
 
 /// One thread's copy of the process-wide counters every request adds to.
@@ -71,7 +77,9 @@ pub fn global() -> &'static Telemetry {
         handle: install(),
         stats: Stats::default(),
         alerts: alerts::Alerts::default(),
+        teams: teams::TeamSpend::default(),
         counts: Sharded::default(),
+        forecast_gauges: Default::default(),
     })
 }
 
@@ -101,6 +109,15 @@ impl Telemetry {
     /// at start and after each good reload.
     pub fn configure(&self, policy: &Policy) {
         self.alerts.configure(&policy.alerts);
+        self.configure_teams(policy);
+    }
+
+    /// Adds the spend counters of the teams `policy`'s keys name (start and each good
+    /// reload; teams are never removed, so a counter never goes back).
+    pub fn configure_teams(&self, policy: &Policy) {
+        let keys = &policy.identity.virtual_keys;
+        self.teams
+            .configure(keys.iter().filter_map(|k| k.team.as_ref()));
     }
 
     /// The Prometheus text of every metric: the recorder's (none when another recorder is
@@ -153,7 +170,71 @@ impl Telemetry {
             |s| &s.overhead,
         );
         self.stats.render(&mut out);
+        self.teams.render(&mut out);
         out
+    }
+}
+
+/// Publishes a forecast tick (`Governor::forecast_tick`): sends the alerts it marked, and sets
+/// `tollgate_bound_projected_exhaustion_seconds{bound}` to the soonest exhaustion of each
+/// bound (over its ids); a bound forecast before and not now is set to NaN, which no
+/// threshold rule matches. Runs on the sidecar's forecast timer, never on a request.
+pub fn publish_forecasts(
+    policy: &Policy,
+    forecasts: &[crate::governor::forecast::BoundForecast],
+    now: crate::units::Millis,
+) {
+    use crate::governor::limits::rfc3339_in;
+    let t = global();
+    let tz = &policy.windows.timezone;
+    let ts = rfc3339_in(tz, now).unwrap_or_default();
+    let mut soonest: std::collections::HashMap<&str, u64> = Default::default();
+    for f in forecasts {
+        let b = &policy.bounds[f.bound];
+        let Some(secs) = f.projection.seconds_from(now) else {
+            continue;
+        };
+        let e = soonest.entry(&b.name).or_insert(secs);
+        *e = (*e).min(secs);
+        if !f.alert {
+            continue;
+        }
+        let alert = alerts::ForecastAlert {
+            bound: &b.name,
+            class: b.class.as_str(),
+            scope: f.key.scope.as_str(),
+            id: &f.key.id,
+            window: f.key.window.map(|w| w.window.as_str()),
+            window_start: f.key.window.map(|w| w.start),
+            dim: f.dim.as_str(),
+            used: f.used,
+            limit: f.limit,
+            per_hour_1h: f.projection.per_hour_1h,
+            per_hour_24h: f.projection.per_hour_24h,
+            exhausts_at: f
+                .projection
+                .exhausts_at_ms
+                .and_then(|ms| rfc3339_in(tz, ms))
+                .unwrap_or_default(),
+            projected_exhaustion_seconds: secs,
+            resets_at: rfc3339_in(tz, f.window_end_ms).unwrap_or_default(),
+        };
+        t.alerts
+            .emit_forecast(&policy.alerts, &alert, &policy.version, &ts);
+    }
+    let mut shown = t.forecast_gauges.lock().unwrap_or_else(|e| e.into_inner());
+    for name in shown.iter() {
+        if !soonest.contains_key(&**name) {
+            metrics::gauge!(TOLLGATE_BOUND_PROJECTED_EXHAUSTION_SECONDS, "bound" => name.to_string())
+                .set(f64::NAN);
+        }
+    }
+    for (name, secs) in &soonest {
+        metrics::gauge!(TOLLGATE_BOUND_PROJECTED_EXHAUSTION_SECONDS, "bound" => name.to_string())
+            .set(*secs as f64);
+        if !shown.iter().any(|n| &**n == *name) {
+            shown.push(std::sync::Arc::from(*name));
+        }
     }
 }
 
@@ -221,6 +302,7 @@ fn record(entry: &Entry, overhead: bool, today: UsageWindows, alerts: &AlertsCfg
         && rec.attempts.iter().any(|a| a.backend == rec.backend);
     if served {
         let model = rec.upstream_model.as_deref().unwrap_or("unknown");
+        let micros = crate::units::usd_to_micros(rec.cost_usd);
         // The served attempt's look-up is the thread's kept one (`Stats::with_backend`).
         t.stats.with_backend(&rec.backend, |b| {
             b.usage(
@@ -228,13 +310,26 @@ fn record(entry: &Entry, overhead: bool, today: UsageWindows, alerts: &AlertsCfg
                 model,
                 rec.actual_input_tokens,
                 rec.actual_output_tokens,
-                crate::units::usd_to_micros(rec.cost_usd),
+                micros,
             )
         });
+        t.teams.add(
+            rec.team.as_deref(),
+            rec.actual_input_tokens,
+            rec.actual_output_tokens,
+            micros,
+        );
     }
     if rec.usage_over_reservation {
         metrics::counter!(names::TOLLGATE_USAGE_OVER_RESERVATION_TOTAL, "backend" => rec.backend.to_string())
             .increment(1);
+    }
+    for (i, l) in rec.shadow.iter().enumerate() {
+        // Once per bound and request, though a glob bound may note several ids.
+        if rec.shadow[..i].iter().all(|p| p.name != l.name) {
+            metrics::counter!(names::TOLLGATE_SHADOW_REFUSALS_TOTAL, "bound" => l.name.to_string())
+                .increment(1);
+        }
     }
     if !rec.alerts.is_empty() {
         let _dropped = t.alerts.emit(alerts, rec, &entry.ts);

@@ -48,6 +48,18 @@ pub const TOLLGATE_USAGE_OVER_RESERVATION_TOTAL: &str = "tollgate_usage_over_res
 /// while) and `closed_idle` (a reused connection closed before any answer byte: the request
 /// went again on a fresh connection).
 pub const TOLLGATE_UPSTREAM_WIRE_FAULTS_TOTAL: &str = crate::wire::pool::WIRE_FAULTS_TOTAL;
+/// counter {team, direction}: committed actual tokens by the caller's team (configured
+/// keys' teams, `none`, `other`).
+pub const TOLLGATE_TEAM_TOKENS_TOTAL: &str = "tollgate_team_tokens_total";
+/// counter {team}: committed cost in USD by the caller's team.
+pub const TOLLGATE_TEAM_COST_USD_TOTAL: &str = "tollgate_team_cost_usd_total";
+/// counter {bound}: requests a shadow bound (`enforce: shadow`) would have refused; bound
+/// names come from the policy.
+pub const TOLLGATE_SHADOW_REFUSALS_TOTAL: &str = "tollgate_shadow_refusals_total";
+/// gauge {bound}: seconds until a windowed bound's hard limit is reached at its burn rate,
+/// set while that falls before the window turns (and 0 once the forecast clears).
+pub const TOLLGATE_BOUND_PROJECTED_EXHAUSTION_SECONDS: &str =
+    "tollgate_bound_projected_exhaustion_seconds";
 /// counter {reason}: finished spans the OTLP export dropped (`queue_full`, `export_failed`).
 pub const TOLLGATE_OTEL_DROPPED_SPANS_TOTAL: &str = "tollgate_otel_dropped_spans_total";
 
@@ -74,6 +86,9 @@ pub const TOLLGATE_OVERHEAD_SECONDS_HELP: &str = "Time spent in the sidecar itse
 pub const TOLLGATE_DECISIONS_TOTAL_HELP: &str =
     "Governed requests by final action and reason class";
 pub const AI_COST_USD_TOTAL_HELP: &str = "Committed cost in US dollars by backend";
+pub const TOLLGATE_TEAM_TOKENS_TOTAL_HELP: &str = "Committed actual tokens by the caller's team (a configured key's team, none, or other) and direction";
+pub const TOLLGATE_TEAM_COST_USD_TOTAL_HELP: &str =
+    "Committed cost in US dollars by the caller's team (a configured key's team, none, or other)";
 
 /// Registers help text and units with the recorder in force (the metrics it renders).
 pub fn describe() {
@@ -104,6 +119,16 @@ pub fn describe() {
     describe_gauge!(
         TOLLGATE_POLICY_INFO,
         "1 for the policy version in force, 0 for versions replaced since start"
+    );
+    describe_counter!(
+        TOLLGATE_SHADOW_REFUSALS_TOTAL,
+        Unit::Count,
+        "Requests a shadow bound (enforce: shadow) would have refused, by bound"
+    );
+    describe_gauge!(
+        TOLLGATE_BOUND_PROJECTED_EXHAUSTION_SECONDS,
+        Unit::Seconds,
+        "Seconds until a windowed bound's hard limit is hit at its trailing burn rate, while that is before the window turns"
     );
     describe_counter!(
         TOLLGATE_ALERTS_TOTAL,

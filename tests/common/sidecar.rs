@@ -21,6 +21,8 @@ pub struct Sidecar {
     /// Set by [`Sidecar::start_manual_clock`]: the governor's time, moved by hand.
     clock: Option<&'static ManualClock>,
     _dir: tempfile::TempDir,
+    /// The state `start_shared` opened, finished at `stop` as `tollgate serve` does.
+    state: Option<tollgate::proxy::persist::State>,
 }
 
 impl Sidecar {
@@ -97,6 +99,7 @@ impl Sidecar {
             audit_path,
             clock,
             _dir: dir,
+            state: None,
         }
     }
 
@@ -139,6 +142,7 @@ impl Sidecar {
             audit_path,
             clock: None,
             _dir: dir,
+            state: Some(state),
         }
     }
 
@@ -221,5 +225,10 @@ impl Sidecar {
         tokio::time::timeout(Duration::from_secs(10), self.running.shutdown())
             .await
             .expect("sidecar shuts down");
+        if let Some(state) = self.state {
+            tokio::time::timeout(Duration::from_secs(10), state.finish())
+                .await
+                .expect("state finishes");
+        }
     }
 }

@@ -18,6 +18,7 @@ use crate::estimate::{self, Endpoint, Estimate};
 use crate::governor::{Outcome, Pending, Record, RequestCtx, Served};
 use crate::policy::{Policy, Route};
 use crate::providers::{self, NativeFormat, RequestBody, Wire};
+use crate::units::usd_to_micros;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use std::sync::Arc;
@@ -400,6 +401,7 @@ impl<'a> Ctx<'a> {
             self.snap,
         );
         cap_header(&mut resp, &self.rec, self.endpoint, est.max_output_tokens);
+        respond::stamp_cost(&mut resp, usd_to_micros(self.rec.cost_usd));
         self.finish(resp)
     }
 
@@ -442,6 +444,9 @@ impl<'a> Ctx<'a> {
             self.snap,
         );
         cap_header(&mut resp, &self.rec, self.endpoint, est.max_output_tokens);
+        // The actual is known only once the stream ends (it is in the audit): the header
+        // says the reserved worst case.
+        respond::stamp_cost(&mut resp, usd_to_micros(self.rec.worst_case_usd));
         resp
     }
 
