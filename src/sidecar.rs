@@ -9,7 +9,7 @@ use crate::ledger::Ledger;
 use crate::proxy::handler::{handle, App};
 use crate::proxy::server::{forecast, serve, sweep};
 use crate::proxy::transport::Transport;
-use crate::proxy::Snapshot;
+use crate::proxy::{AppClock, Snapshot};
 use arc_swap::ArcSwap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -59,6 +59,18 @@ pub async fn start_with(
     opts: Options,
     governor: Arc<Governor>,
 ) -> std::io::Result<Running> {
+    start_clocked(snap, audit, opts, governor, AppClock::SYSTEM).await
+}
+
+/// [`start_with`] on a given clock: tests pass a [`crate::proxy::ManualClock`] to move past
+/// a circuit's recovery or a lease instead of sleeping through it.
+pub async fn start_clocked(
+    snap: Snapshot,
+    audit: Audit,
+    opts: Options,
+    governor: Arc<Governor>,
+    clock: AppClock,
+) -> std::io::Result<Running> {
     let data = bind(opts.listen, &snap.policy.server.listen).await?;
     let admin_l = bind(opts.admin_listen, &snap.policy.server.admin_listen).await?;
     let (addr, admin_addr) = (data.local_addr()?, admin_l.local_addr()?);
@@ -69,6 +81,7 @@ pub async fn start_with(
         governor,
         transport: Transport::new(),
         audit,
+        clock,
     });
     let n = opts
         .workers

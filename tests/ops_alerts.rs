@@ -69,7 +69,7 @@ routes:
   - model: chat
     chain: [{{backend: al-b, model: m}}]
 quotas:
-  - {{name: al-daily, scope: backend, match: al-b, window: day, limit_tokens: 2000, alert_at: [0.025, 0.9]}}
+  - {{name: al-daily, scope: backend, match: al-b, window: day, limit_tokens: 2000, alert_at: [0.025, 0.1]}}
 alerts: {{webhook_url: "{hook}", timeout: 2s}}
 "#,
         up.base_url()
@@ -78,7 +78,7 @@ alerts: {{webhook_url: "{hook}", timeout: 2s}}
     let before = scrape(sc.running.admin_addr).await;
     let body =
         j!({"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100});
-    // 60 tokens per request: the first crosses 2.5 % (50 tokens); the next two stay below 90 %.
+    // 60 tokens per request: the first crosses 2.5 % (50 tokens); the next two stay below 10 %.
     let t0 = Instant::now();
     for _ in 0..3 {
         let (code, _, _) = post_json(&sc.chat_url(), &body, &[]).await;
@@ -94,10 +94,23 @@ alerts: {{webhook_url: "{hook}", timeout: 2s}}
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    // Nothing more arrives: one crossing, delivered once (the first try failed).
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Nothing more arrives for that crossing: one worker delivers alerts one at a time in
+    // order, so once a later crossing (240 tokens, 10 %) is delivered, a repeat of the first
+    // would have come before it.
+    let (code, _, _) = post_json(&sc.chat_url(), &body, &[]).await;
+    assert_eq!(code, 200);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while got.lock().unwrap().len() < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "the later crossing never arrived: {:?}",
+            got.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let got = got.lock().unwrap().clone();
-    assert_eq!(got.len(), 2, "{got:?}");
+    assert_eq!(got.len(), 3, "{got:?}");
+    assert_eq!(got[2].1["threshold"], 0.1, "{got:?}");
     assert_eq!(got[0].1, got[1].1, "the retry sends the same alert");
     let gap = got[1].0 - got[0].0;
     assert!(
@@ -121,12 +134,21 @@ alerts: {{webhook_url: "{hook}", timeout: 2s}}
         a["ts"].as_str().unwrap().parse::<jiff::Timestamp>().is_ok(),
         "{a}"
     );
-    let after = scrape(sc.running.admin_addr).await;
-    let d = |o: &str| {
-        after.get("tollgate_alerts_total", &[("outcome", o)])
-            - before.get("tollgate_alerts_total", &[("outcome", o)])
-    };
-    assert_eq!((d("logged"), d("delivered"), d("dropped")), (1.0, 1.0, 0.0));
+    // Two crossings, each delivered once; the counter moves once the webhook's answer is in.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let after = scrape(sc.running.admin_addr).await;
+        let d = |o: &str| {
+            after.get("tollgate_alerts_total", &[("outcome", o)])
+                - before.get("tollgate_alerts_total", &[("outcome", o)])
+        };
+        let seen = (d("logged"), d("delivered"), d("dropped"));
+        if seen.1 >= 2.0 || Instant::now() > deadline {
+            assert_eq!(seen, (2.0, 2.0, 0.0));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     // The audit record of the crossing request carries it too.
     let line = sc.audit_text().lines().next().unwrap().to_string();
     let v: Value = serde_json::from_str(&line).unwrap();

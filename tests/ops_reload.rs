@@ -34,6 +34,38 @@ fn policy(version: &str, backend: &str, upstream: &MockUpstream) -> String {
     )
 }
 
+/// The opens of the files in a directory (inotify `IN_OPEN`): the policy watcher opens the
+/// policy once per look, and a reload opens it again, so these show what it did, when.
+struct Opens(rustix::fd::OwnedFd);
+
+impl Opens {
+    fn watch(dir: &Path) -> Opens {
+        use rustix::fs::inotify::{add_watch, init, CreateFlags, WatchFlags};
+        let fd = init(CreateFlags::NONBLOCK | CreateFlags::CLOEXEC).expect("inotify");
+        add_watch(&fd, dir, WatchFlags::OPEN).expect("inotify watch");
+        Opens(fd)
+    }
+
+    /// How many times `name` was opened since the last call.
+    fn take(&self, name: &str) -> usize {
+        let mut buf = [std::mem::MaybeUninit::uninit(); 4096];
+        let mut events = rustix::fs::inotify::Reader::new(&self.0, &mut buf);
+        let mut n = 0;
+        loop {
+            match events.next() {
+                Ok(e) => {
+                    n += usize::from(
+                        e.file_name()
+                            .is_some_and(|f| f.to_bytes() == name.as_bytes()),
+                    )
+                }
+                Err(rustix::io::Errno::AGAIN) => return n,
+                Err(e) => panic!("inotify: {e}"),
+            }
+        }
+    }
+}
+
 /// Replaces a file the way editors do (write a temp file, rename over).
 fn write_atomic(path: &Path, text: &str) {
     let tmp = path.with_extension("tmp~");
@@ -114,8 +146,27 @@ async fn policy_edited_on_disk_takes_effect_and_a_broken_edit_is_refused() {
             - before.get("tollgate_policy_reloads_total", &[("result", r)])
     };
     assert_eq!((d("ok"), d("error")), (0.0, 1.0));
-    // The same broken content is not retried every second.
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    // The same broken content is not retried: the watcher's next look opens the file once,
+    // and nothing follows it (a retry would look again after its 150 ms settle, then load).
+    let opens = Opens::watch(dir.path());
+    let t0 = Instant::now();
+    while opens.take("policy.yaml") == 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the watcher stopped looking"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let quiet = Instant::now() + Duration::from_millis(400);
+    let mut more = 0;
+    while Instant::now() < quiet {
+        more += opens.take("policy.yaml");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        more, 0,
+        "the unchanged broken policy was read again to be reloaded"
+    );
     assert_eq!(status(admin).await["policy"]["reloads"]["error"], 1);
 
     // Fixing the file is picked up again; SIGHUP's path (Trigger::Signal) is the same one.

@@ -219,18 +219,27 @@ async fn long_retry_after_defers_with_the_upstream_delay() {
 // Circuit: opens after the threshold, closes after a half-open probe
 // ---------------------------------------------------------------------------------------------
 
+/// Far longer than any test runs: only a move of the sidecar's clock ([`RECOVERY`]) reaches
+/// HALF_OPEN, so no test sleeps through it and none passes by waiting long enough.
+const RECOVERY: Duration = Duration::from_secs(60);
+
 fn circuit_policy(url: &str) -> String {
     one_backend(
         url,
-        "    circuit: {failure_threshold: 2, recovery_timeout: 1s, half_open_max_calls: 1}\n\
+        "    circuit: {failure_threshold: 2, recovery_timeout: 60s, half_open_max_calls: 1}\n\
          retry: {same_backend_retries: 0}",
     )
+}
+
+/// Moves the sidecar's clock to just past the circuit's recovery timeout (opened "now").
+fn past_recovery(sc: &Sidecar) {
+    sc.advance(RECOVERY + Duration::from_millis(50));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn circuit_opens_after_threshold_and_closes_after_half_open_probe() {
     let up = MockUpstream::start(vec![Answer::status(503), Answer::status(503)]).await;
-    let sc = Sidecar::start(&circuit_policy(&up.base_url())).await;
+    let sc = Sidecar::start_manual_clock(&circuit_policy(&up.base_url())).await;
     let url = sc.chat_url();
 
     // Two failures: each a 503 DEFER from the sidecar; the second trips the circuit.
@@ -242,7 +251,6 @@ async fn circuit_opens_after_threshold_and_closes_after_half_open_probe() {
         assert_eq!(json(&body)["tollgate"]["circuit_state"], "CLOSED");
         assert_eq!(up.hits(), i + 1);
     }
-    let tripped = Instant::now();
     assert_eq!(sc.circuit("primary").raw_state(), CircuitState::Open);
 
     // Third request: not sent to the mock.
@@ -251,16 +259,24 @@ async fn circuit_opens_after_threshold_and_closes_after_half_open_probe() {
     assert_eq!(up.hits(), 2, "an open circuit admits no call");
     assert_eq!(hdr(&h, "x-tollgate-action"), "DEFER");
     assert_eq!(hdr(&h, "x-tollgate-reason"), "CIRCUIT_OPEN");
-    assert_eq!(hdr(&h, "retry-after"), "1");
+    assert_eq!(hdr(&h, "retry-after"), "60");
     let t = &json(&body)["tollgate"];
     assert_eq!(t["circuit_state"], "OPEN");
     assert_eq!(t["reason_class"], "CIRCUIT_OPEN");
     assert_eq!(t["fallback_state"], "EXHAUSTED");
     assert_eq!(t["usage_evidence_state"], "NONE");
 
+    // Just before the recovery timeout it is still open, with the wait counted down.
+    sc.advance(RECOVERY - Duration::from_secs(2));
+    let (s, h, _) = post_json(&url, &chat("hi"), &rid("c-3b")).await;
+    assert_eq!(s, 503);
+    assert_eq!(hdr(&h, "x-tollgate-reason"), "CIRCUIT_OPEN");
+    let left: u64 = hdr(&h, "retry-after").parse().unwrap();
+    assert!((1..=2).contains(&left), "retry-after {left}");
+    assert_eq!(up.hits(), 2);
+
     // Past the recovery timeout: one probe goes through and closes the circuit.
-    let left = Duration::from_millis(1150).saturating_sub(tripped.elapsed());
-    tokio::time::sleep(left).await;
+    sc.advance(Duration::from_secs(3));
     let (s, h, body) = post_json(&url, &chat("hi"), &rid("c-4")).await;
     assert_eq!(s, 200, "{h:?} {}", String::from_utf8_lossy(&body));
     assert_eq!(up.hits(), 3);
@@ -291,14 +307,14 @@ async fn failed_half_open_probe_reopens_the_circuit() {
         Answer::status(500),
     ])
     .await;
-    let sc = Sidecar::start(&circuit_policy(&up.base_url())).await;
+    let sc = Sidecar::start_manual_clock(&circuit_policy(&up.base_url())).await;
     let url = sc.chat_url();
     for _ in 0..2 {
         let (s, _, _) = post_json(&url, &chat("hi"), &[]).await;
         assert_eq!(s, 503);
     }
     assert_eq!(sc.circuit("primary").raw_state(), CircuitState::Open);
-    tokio::time::sleep(Duration::from_millis(1150)).await;
+    past_recovery(&sc);
     // The probe fails: reopened at once.
     let (s, h, body) = post_json(&url, &chat("hi"), &rid("p-1")).await;
     assert_eq!(s, 503, "{h:?} {}", String::from_utf8_lossy(&body));
@@ -306,8 +322,8 @@ async fn failed_half_open_probe_reopens_the_circuit() {
     assert_eq!(json(&body)["tollgate"]["circuit_state"], "HALF_OPEN");
     assert_eq!(sc.circuit("primary").raw_state(), CircuitState::Open);
     // The next request finds it open again and makes no call.
-    let (s, h, _) = post_json(&url, &chat("hi"), &[]).await;
-    assert_eq!(s, 503);
+    let (s, h, body) = post_json(&url, &chat("hi"), &[]).await;
+    assert_eq!(s, 503, "{h:?} {}", String::from_utf8_lossy(&body));
     assert_eq!(hdr(&h, "x-tollgate-reason"), "CIRCUIT_OPEN");
     assert_eq!(up.hits(), 3);
     sc.stop().await;
@@ -323,14 +339,14 @@ async fn half_open_admits_one_probe_the_other_is_treated_as_open() {
         Answer::ok_chat("probe", 5, 5).delay(Duration::from_millis(400)),
     ])
     .await;
-    let sc = Sidecar::start(&circuit_policy(&up.base_url())).await;
+    let sc = Sidecar::start_manual_clock(&circuit_policy(&up.base_url())).await;
     let url = sc.chat_url();
     for _ in 0..2 {
         let (s, _, _) = post_json(&url, &chat("hi"), &[]).await;
         assert_eq!(s, 503);
     }
     assert_eq!(sc.circuit("primary").raw_state(), CircuitState::Open);
-    tokio::time::sleep(Duration::from_millis(1150)).await;
+    past_recovery(&sc);
     let probe = tokio::spawn({
         let url = url.clone();
         async move { post_json(&url, &chat("hi"), &rid("h-probe")).await }

@@ -207,6 +207,27 @@ audit: {{sink: "off"}}
         self.chat_with(&[]).await
     }
 
+    /// Settlements waiting in the replica's journal (`/admin/status`, which reads no Redis).
+    async fn journaled(&self) -> u64 {
+        self.status().await["state"]["journal"]["pending_settlements"]
+            .as_u64()
+            .unwrap()
+    }
+
+    /// Polls until `n` settlements wait in the journal (or fails after 15 s).
+    async fn until_journaled(&self, n: u64) {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while self.journaled().await != n {
+            assert!(
+                Instant::now() < deadline,
+                "never {n} journaled: {}\n{}",
+                self.status().await,
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     async fn chat_with(&self, headers: &[(&str, &str)]) -> (u16, String) {
         match try_post_json(&self.serve.chat_url(), &body(), headers).await {
             Ok((status, h, _)) => (
@@ -439,8 +460,9 @@ async fn a_settle_while_redis_is_stopped_is_written_after_it_resumes() {
     for c in calls {
         assert_eq!(c.await.unwrap(), (200, "OK".into()));
     }
-    // Longer than the old settle's four tries (about 7 s) before giving up to the lease.
-    tokio::time::sleep(Duration::from_secs(8)).await;
+    // Held until both settles gave up on Redis and wait in the journal: from there on only
+    // the replay can write them, which is what this test is about.
+    r.until_journaled(2).await;
     server.signal("CONT");
     let [ct, ht] = sums_until(&url, &n, "global", ["ct", "ht"], [2 * w, 0], 15).await;
     assert_eq!(
@@ -449,8 +471,10 @@ async fn a_settle_while_redis_is_stopped_is_written_after_it_resumes() {
         "settled once, holds released\n{}",
         r.log()
     );
-    // Written once: nothing more arrives later.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Written once: the journal is empty, and the tries Redis buffered while stopped (it
+    // runs them on resuming) and the replay's own writes counted once between them.
+    r.until_journaled(0).await;
+    assert!(r.log().contains("written back"), "{}", r.log());
     assert_eq!(sums(&url, &n, "global", ["ct"]).await, [2 * w]);
 }
 
@@ -630,8 +654,8 @@ async fn a_cluster_node_without_the_slot_serves_through_the_cluster_client() {
     assert!(!log.contains("does not answer"), "{log}");
 }
 
-/// The connection to Redis cut for 8 s while two calls are in flight: their settles cannot
-/// reach Redis, are journaled, and are written once the connection comes back; nothing of
+/// The connection to Redis cut while two calls are in flight, until both settles gave up and
+/// wait in the journal: they are written once the connection comes back; nothing of
 /// the usage is lost and the holds are released (not left to the lease).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_settle_across_a_cut_connection_is_written_once_it_is_back() {
@@ -663,7 +687,8 @@ async fn a_settle_across_a_cut_connection_is_written_once_it_is_back() {
     // While cut: the replica cannot reserve (deny), and nothing reached Redis.
     assert_eq!(r.chat().await.0, 503);
     assert_eq!(sums(&url, &n, "global", ["ct"]).await, [0]);
-    tokio::time::sleep(Duration::from_secs(8)).await;
+    // Restored once both settles wait in the journal: only its replay can write them now.
+    r.until_journaled(2).await;
     proxy.set_cut(false).await;
     let [ct, ht] = sums_until(&url, &n, "global", ["ct", "ht"], [2 * w, 0], 15).await;
     assert_eq!(

@@ -7,7 +7,7 @@ mod common;
 
 use bytes::BytesMut;
 use common::sidecar::Sidecar;
-use common::{json, post_json, post_json_frames};
+use common::{json, post_json, post_json_frames, try_post_json};
 use serde_json::{json as j, Value};
 use std::future::Future;
 use std::net::SocketAddr;
@@ -513,10 +513,21 @@ async fn a_stalled_readers_socket_is_closed_after_its_stream_was_settled() {
     s.write_all(req.as_bytes()).await.unwrap();
     // Not read: the stream is ended at `timeouts.total` (1 s) and settled; its connection must
     // not wait for this client after that. With one connection allowed, the next client is
-    // served only once that one is closed.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let (st, _, b) = post_json(&sc.chat_url(), &chat("next", false), &[]).await;
-    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&b));
+    // refused (a 503, or a reset when it comes before the request is read) until that one
+    // is closed, then served.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match try_post_json(&sc.chat_url(), &chat("next", false), &[]).await {
+            Ok((200, _, _)) => break,
+            Ok((st, _, b)) => assert_eq!(st, 503, "{}", String::from_utf8_lossy(&b)),
+            Err(_) => {}
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the stalled reader's connection was never closed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     drop(s);
     sc.stop().await;
 }

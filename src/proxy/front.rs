@@ -26,7 +26,7 @@ use super::stamps::Stamps;
 use crate::body::Body;
 use bytes::{Bytes, BytesMut};
 use http::header;
-use http::Response;
+use http::{Request, Response};
 use http_body::Body as _;
 use std::future::{poll_fn, Future};
 use std::io::{self, IoSlice};
@@ -37,7 +37,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
-use crate::wire::request::{parse, Parsed};
+use crate::body::ReqBody;
+use crate::wire::request::{parse, Head, Parsed};
 /// What a read asks room for.
 const READ_ROOM: usize = 8 * 1024;
 /// Most bytes of next requests read while one is served (more waits in the socket).
@@ -128,76 +129,106 @@ pub async fn serve<H: Handler>(
                 _ => return End::Closed,
             }
         }
-        // The head, whole: read on (under a deadline from its first byte) while it is only
-        // begun, whatever its bytes look like. Nothing goes to hyper before its head is
-        // whole: hyper-util's protocol sniff waits without a timer for as long as the bytes
-        // could still be the HTTP/2 preface (one `P` held a connection open forever).
-        let started = tokio::time::Instant::now();
-        let head = loop {
-            match parse(&buf, bounds.max_body) {
-                Parsed::Here(head) => break head,
-                Parsed::Elsewhere => return End::HandOver(buf.freeze()),
-                Parsed::Reject(bad) => {
-                    let _ = io.write_all(&super::conn::error_answer(bad, port)).await;
-                    let _ = io.shutdown().await;
-                    return End::Closed;
-                }
-                Parsed::Partial => {
-                    buf.reserve(READ_ROOM);
-                    let due = started + header_timeout;
-                    match tokio::time::timeout_at(due, io.read_buf(&mut buf)).await {
-                        Ok(Ok(n)) if n > 0 => {}
-                        Ok(_) => return End::Closed,
-                        Err(_) => {
-                            super::conn::count_refused(port, "slow_head");
-                            return End::Closed;
-                        }
-                    }
-                }
-            }
+        let (head, req) = match whole_request(io, &mut buf, bounds, port).await {
+            Ok(r) => r,
+            Err(end) => return end,
         };
-        // The body, whole: waited for (under a deadline) only when it is not all here yet.
-        let whole = head.len + head.body;
-        if buf.len() < whole {
-            buf.reserve(whole - buf.len());
-            let deadline = tokio::time::Instant::now() + header_timeout;
-            while buf.len() < whole {
-                match tokio::time::timeout_at(deadline, io.read_buf(&mut buf)).await {
-                    Ok(Ok(n)) if n > 0 => {}
-                    // Late, cut short or broken: hyper reads on (and answers) as it would have.
-                    _ => return End::HandOver(buf.freeze()),
-                }
-            }
-        }
-        // Everything read so far, frozen: the head's parts and the body are slices of it;
-        // what lies past this request (pipelined) goes back to the buffer.
-        let all = buf.split().freeze();
-        let body = all.slice(head.len..whole);
-        let Some(req) = head.request(&all, body) else {
-            return End::HandOver(all);
-        };
-        if all.len() > whole {
-            buf.extend_from_slice(&all[whole..]);
-        }
-        drop(all);
         // Made in its box (not moved there, nor through the frames below it).
         let answer = watched(pin_in_place!(svc.call(req)), io, &mut buf).await;
-        let Some(Ok(mut resp)) = answer else {
+        let Some(Ok(resp)) = answer else {
             // The client went away: its request's work goes on detached (see `Detach`).
             return End::Closed;
         };
-        // The record's closing waits until the answer is out (see `After`).
-        let after = resp.extensions_mut().remove::<After>();
         let close = head.close || peek_stop.has_changed().unwrap_or(true);
-        let cut = write(io, resp, close, &mut out, &mut buf, header_timeout)
-            .await
-            .is_err();
-        super::finish::run_after(after, cut).await;
-        if cut || close {
-            let _ = io.shutdown().await;
+        if !answered(io, resp, close, &mut out, &mut buf, header_timeout).await {
             return End::Closed;
         }
     }
+}
+
+/// Writes `resp`, then closes its request's record (which waits until the answer is out,
+/// see `After`); `false` when the connection ends here (cut, or `close`), shut down.
+async fn answered(
+    io: &mut TcpStream,
+    mut resp: Response<Body>,
+    close: bool,
+    out: &mut Vec<u8>,
+    buf: &mut BytesMut,
+    header_timeout: Duration,
+) -> bool {
+    let after = resp.extensions_mut().remove::<After>();
+    let cut = write(io, resp, close, out, buf, header_timeout)
+        .await
+        .is_err();
+    super::finish::run_after(after, cut).await;
+    if cut || close {
+        let _ = io.shutdown().await;
+        return false;
+    }
+    true
+}
+
+/// The next request on `io`, whole: its head read on (under a deadline from its first
+/// byte) while it is only begun, then its body waited for (under a deadline) when it is not
+/// all here yet. Bytes past it (pipelined) stay in `buf`. `Err` says how the connection
+/// ends instead: closed, or handed to hyper with what was read.
+async fn whole_request(
+    io: &mut TcpStream,
+    buf: &mut BytesMut,
+    bounds: Bounds,
+    port: &'static str,
+) -> Result<(Head, Request<ReqBody>), End> {
+    let header_timeout = bounds.header_timeout;
+    // Whatever its bytes look like, nothing goes to hyper before the head is whole:
+    // hyper-util's protocol sniff waits without a timer for as long as the bytes could
+    // still be the HTTP/2 preface (one `P` held a connection open forever).
+    let started = tokio::time::Instant::now();
+    let head = loop {
+        match parse(buf, bounds.max_body) {
+            Parsed::Here(head) => break head,
+            Parsed::Elsewhere => return Err(End::HandOver(buf.split().freeze())),
+            Parsed::Reject(bad) => {
+                let _ = io.write_all(&super::conn::error_answer(bad, port)).await;
+                let _ = io.shutdown().await;
+                return Err(End::Closed);
+            }
+            Parsed::Partial => {
+                buf.reserve(READ_ROOM);
+                let due = started + header_timeout;
+                match tokio::time::timeout_at(due, io.read_buf(buf)).await {
+                    Ok(Ok(n)) if n > 0 => {}
+                    Ok(_) => return Err(End::Closed),
+                    Err(_) => {
+                        super::conn::count_refused(port, "slow_head");
+                        return Err(End::Closed);
+                    }
+                }
+            }
+        }
+    };
+    let whole = head.len + head.body;
+    if buf.len() < whole {
+        buf.reserve(whole - buf.len());
+        let deadline = tokio::time::Instant::now() + header_timeout;
+        while buf.len() < whole {
+            match tokio::time::timeout_at(deadline, io.read_buf(buf)).await {
+                Ok(Ok(n)) if n > 0 => {}
+                // Late, cut short or broken: hyper reads on (and answers) as it would have.
+                _ => return Err(End::HandOver(buf.split().freeze())),
+            }
+        }
+    }
+    // Everything read so far, frozen: the head's parts and the body are slices of it;
+    // what lies past this request (pipelined) goes back to the buffer.
+    let all = buf.split().freeze();
+    let body = all.slice(head.len..whole);
+    let Some(req) = head.request(&all, body) else {
+        return Err(End::HandOver(all));
+    };
+    if all.len() > whole {
+        buf.extend_from_slice(&all[whole..]);
+    }
+    Ok((head, req))
 }
 
 /// `fut`'s output, or `None` when the client closes (or breaks) the connection first. Bytes

@@ -1,6 +1,7 @@
 //! The sidecar: an OpenAI-compatible HTTP front that runs every request through the governor
 //! and calls the chosen upstream. The I/O shell around the pure core.
 
+pub mod clock;
 mod conn;
 mod encoding;
 pub mod finish;
@@ -21,6 +22,7 @@ pub mod stream;
 pub mod transport;
 pub mod workers;
 
+pub use clock::{AppClock, ManualClock};
 pub use handler::App;
 pub use server::reload;
 pub use snapshot::Snapshot;

@@ -4,6 +4,7 @@
 use super::conn;
 use super::handler::App;
 use super::snapshot::Snapshot;
+use crate::governor::Clock;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -24,7 +25,7 @@ pub async fn sweep(app: Arc<App>, mut stop: watch::Receiver<bool>) {
             _ = tick.tick() => {
                 let snap = app.snap.load();
                 let ttl = snap.policy.state.job_idle_ttl.as_millis() as i64;
-                app.governor.ledger.sweep(jiff::Timestamp::now().as_millisecond(), ttl);
+                app.governor.ledger.sweep(app.clock.now_ms(), ttl);
                 let backends = &snap.policy.backends;
                 app.governor
                     .retain_circuits(|id| backends.iter().any(|b| &*b.id == id));

@@ -466,6 +466,9 @@ impl Call<'_> {
         r
     }
 
+    /// One call to one backend: build, take a slot, send, and read the head within the
+    /// first-byte timeout; then the answer is taken by its status ([`Verdict`]), each way a
+    /// step of its own.
     async fn attempt_inner(
         &self,
         spec: CallSpec<'_>,
@@ -474,8 +477,7 @@ impl Call<'_> {
         let backend = spec.backend;
         let provider = providers::for_kind(backend.kind);
         let t = &backend.timeouts;
-        let start = Instant::now();
-        let deadline = start + t.total;
+        let deadline = Instant::now() + t.total;
         let wire = self.wire(backend, provider);
         let req = match self.build(&spec, provider, wire, span.is_some()) {
             Ok(r) => r,
@@ -499,113 +501,76 @@ impl Call<'_> {
             Ok(Ok(r)) => r,
         };
         let (parts, incoming) = resp.into_parts();
-        let status = parts.status;
-        let mut headers = parts.headers;
-        let class = match status.as_u16() {
-            200..=299 => None,
-            // A redirect is never followed nor passed on: the upstream URL comes only from
-            // the policy, and a 3xx is not an answer.
-            300..=399 => Some(FailureClass::Server),
-            429 => Some(FailureClass::Throttled),
-            401 | 403 => Some(FailureClass::Auth),
-            // 529 is Anthropic's overloaded_error.
-            408 | 500..=599 => Some(FailureClass::Server),
-            _ => {
-                // A client error: read it whole and pass it on, in OpenAI's error shape (passed
-                // through, in the upstream's own: the client speaks it).
-                return match read_body(incoming, deadline, MAX_UPSTREAM_BODY).await {
-                    Ok(b) => {
-                        let translated = match wire {
-                            Wire::Translated => provider.error_body(status.as_u16(), &b),
-                            Wire::PassThrough => None,
-                        };
-                        let body = match translated {
-                            Some(t) => {
-                                retype(&mut headers, "application/json");
-                                t
-                            }
-                            None => b,
-                        };
-                        CallResult::NotRetryable {
-                            payload: Box::new(UpstreamResponse {
-                                status,
-                                headers,
-                                body: UpBody::Buffered(body),
-                                deadline,
-                                wire,
-                                internal: None,
-                                usage: None,
-                                translate: None,
-                                permit: None,
-                            }),
-                            status: status.as_u16(),
-                        }
-                    }
-                    Err(class) => failure(class, Some(status.as_u16()), None),
-                };
-            }
+        let head = Head {
+            backend,
+            provider,
+            wire,
+            deadline,
+            span,
+            status: parts.status,
+            headers: parts.headers,
         };
-        if let Some(class) = class {
-            // Only failures look for a delay (providers send rate-limit headers on every answer).
-            let now_ms = jiff::Timestamp::now().as_millisecond();
-            let header_delay = provider.header_delay(&headers, now_ms);
-            // Gemini puts the delay in the body (RetryInfo), not in a header.
-            let hint = match read_body(incoming, deadline, MAX_ERROR_BODY).await {
-                Ok(b) => provider.error_hint(status.as_u16(), &b, now_ms),
-                Err(_) => ErrorHint::default(),
-            };
-            let retry_after_ms = if hint.long_outage {
-                hint.delay_ms.max(header_delay)
-            } else {
-                header_delay.or(hint.delay_ms)
-            };
-            return CallResult::Failed(Failure {
-                class,
-                status: Some(status.as_u16()),
-                retry_after_ms,
-                long_outage: hint.long_outage,
-                billed: false,
-            });
+        match Verdict::of(head.status) {
+            Verdict::Answer if self.stream => self.served_stream(&spec, head, incoming, permit),
+            Verdict::Answer => self.served_buffered(&spec, head, incoming, permit).await,
+            Verdict::ClientError => head.client_error(incoming).await,
+            Verdict::Failed(class) => head.failed(class, incoming).await,
         }
-        // Answers already in the OpenAI shape pass as they are: no envelope to build.
-        let native = provider.translates_answers();
-        if self.stream {
-            let empty = http_body::Body::size_hint(&incoming).exact() == Some(0);
-            if !providers::validate::stream_head_ok(status, &headers, empty) {
-                tracing::warn!(backend = %backend.id, status = status.as_u16(), "the upstream's stream answer is not a stream");
-                // A JSON answer to a stream request is still an answer the upstream billed.
-                if is_json(&headers) {
-                    return billed_failure(FailureClass::Server, status);
-                }
-                return failure(FailureClass::Server, Some(status.as_u16()), None);
-            }
-            if coded(&headers) {
-                // Compressed though never asked to be: its usage cannot be read on the way.
-                tracing::warn!(backend = %backend.id, "the upstream's stream answer is compressed, never asked for");
+    }
+
+    /// A 2xx head to a stream request: checked to be a stream the sidecar can meter, then
+    /// handed on unread with its translator (the slot is held until the stream ends).
+    fn served_stream(
+        &self,
+        spec: &CallSpec<'_>,
+        mut head: Head<'_>,
+        incoming: AnswerBody,
+        permit: Option<InFlight>,
+    ) -> CallResult<Box<UpstreamResponse>> {
+        let (backend, provider, wire, status) =
+            (head.backend, head.provider, head.wire, head.status);
+        let empty = http_body::Body::size_hint(&incoming).exact() == Some(0);
+        if !providers::validate::stream_head_ok(status, &head.headers, empty) {
+            tracing::warn!(backend = %backend.id, status = status.as_u16(), "the upstream's stream answer is not a stream");
+            // A JSON answer to a stream request is still an answer the upstream billed.
+            if is_json(&head.headers) {
                 return billed_failure(FailureClass::Server, status);
             }
-            let translate = match self.passed(wire) {
-                // The client gets the native stream as it is; its translation is metered.
-                Some(n) => provider.pass_stream(n.format, self.envelope(&spec)),
-                _ if native => provider.stream(self.envelope(&spec)),
-                _ => None,
-            };
-            if translate.is_some() && wire == Wire::Translated {
-                retype(&mut headers, "text/event-stream");
-            }
-            return CallResult::Served(Box::new(UpstreamResponse {
-                status,
-                headers,
-                body: UpBody::Stream(incoming),
-                deadline,
-                wire,
-                internal: None,
-                usage: None,
-                translate,
-                permit,
-            }));
+            return failure(FailureClass::Server, Some(status.as_u16()), None);
         }
-        let b = match read_body(incoming, deadline, MAX_UPSTREAM_BODY).await {
+        if coded(&head.headers) {
+            // Compressed though never asked to be: its usage cannot be read on the way.
+            tracing::warn!(backend = %backend.id, "the upstream's stream answer is compressed, never asked for");
+            return billed_failure(FailureClass::Server, status);
+        }
+        // Answers already in the OpenAI shape pass as they are: no envelope to build.
+        let translate = match self.passed(wire) {
+            // The client gets the native stream as it is; its translation is metered.
+            Some(n) => provider.pass_stream(n.format, self.envelope(spec)),
+            _ if provider.translates_answers() => provider.stream(self.envelope(spec)),
+            _ => None,
+        };
+        if translate.is_some() && wire == Wire::Translated {
+            retype(&mut head.headers, "text/event-stream");
+        }
+        CallResult::Served(Box::new(head.answer(
+            UpBody::Stream(incoming),
+            translate,
+            permit,
+        )))
+    }
+
+    /// A 2xx head to a buffered request: the body read whole (bounded, within the total
+    /// timeout) and decoded, the slot given back, then checked and read for its usage.
+    async fn served_buffered(
+        &self,
+        spec: &CallSpec<'_>,
+        mut head: Head<'_>,
+        incoming: AnswerBody,
+        permit: Option<InFlight>,
+    ) -> CallResult<Box<UpstreamResponse>> {
+        let status = head.status;
+        let b = match read_body(incoming, head.deadline, MAX_UPSTREAM_BODY).await {
             Ok(b) => b,
             // Headers came but the body broke: nothing reached the client, so fail over; the
             // upstream took the call, so its worst case is committed.
@@ -613,46 +578,60 @@ impl Call<'_> {
         };
         // Compressed though never asked to be (the sidecar sends no Accept-Encoding): read
         // as the plain body it stands for, bounded, and handed on plain.
-        let b = match uncoded(&mut headers, b) {
+        let b = match uncoded(&mut head.headers, b) {
             Ok(b) => b,
             Err(()) => {
-                tracing::warn!(backend = %backend.id, "the upstream's answer is compressed in a way that cannot be read");
+                tracing::warn!(backend = %head.backend.id, "the upstream's answer is compressed in a way that cannot be read");
                 return billed_failure(FailureClass::Server, status);
             }
         };
         drop(permit);
-        if let Some(n) = self.passed(wire) {
-            // The client gets the native answer; its internal form is read for usage.
-            let read = provider
-                .pass_answer(n.format, &b, &self.envelope(&spec))
-                .ok()
-                .and_then(|i| read_answer(self.endpoint, &i, span).map(|u| (i, u)));
-            let (internal, usage) = match read {
-                Some(r) => r,
-                None => {
-                    tracing::warn!(backend = %backend.id, status = status.as_u16(), "unreadable answer");
-                    return failure(FailureClass::Server, Some(status.as_u16()), None);
-                }
-            };
-            return CallResult::Served(Box::new(UpstreamResponse {
-                status,
-                headers,
-                body: UpBody::Buffered(b),
-                deadline,
-                wire,
-                internal: Some(internal),
-                usage: Some(usage),
-                translate: None,
-                permit: None,
-            }));
+        match self.passed(head.wire) {
+            Some(n) => self.passed_answer(spec, head, n, b),
+            None => self.translated_answer(spec, head, b),
         }
-        let translated = if native {
-            provider.response(&b, &self.envelope(&spec))
+    }
+
+    /// A buffered answer passed through: the client gets the native answer as it came; its
+    /// internal form is read for the usage.
+    fn passed_answer(
+        &self,
+        spec: &CallSpec<'_>,
+        head: Head<'_>,
+        n: NativeBody<'_>,
+        b: Bytes,
+    ) -> CallResult<Box<UpstreamResponse>> {
+        let read = head
+            .provider
+            .pass_answer(n.format, &b, &self.envelope(spec))
+            .ok()
+            .and_then(|i| read_answer(self.endpoint, &i, head.span).map(|u| (i, u)));
+        let Some((internal, usage)) = read else {
+            tracing::warn!(backend = %head.backend.id, status = head.status.as_u16(), "unreadable answer");
+            return failure(FailureClass::Server, Some(head.status.as_u16()), None);
+        };
+        let mut answer = head.answer(UpBody::Buffered(b), None, None);
+        answer.internal = Some(internal);
+        answer.usage = Some(usage);
+        CallResult::Served(Box::new(answer))
+    }
+
+    /// A buffered answer in the OpenAI shape, as the upstream's own or translated into it;
+    /// a 2xx that is neither is the backend's failure (fail over).
+    fn translated_answer(
+        &self,
+        spec: &CallSpec<'_>,
+        mut head: Head<'_>,
+        b: Bytes,
+    ) -> CallResult<Box<UpstreamResponse>> {
+        let (backend, status) = (head.backend, head.status);
+        let translated = if head.provider.translates_answers() {
+            head.provider.response(&b, &self.envelope(spec))
         } else {
             Ok(None)
         };
         let (body, usage) = match translated {
-            Ok(None) => match read_answer(self.endpoint, &b, span) {
+            Ok(None) => match read_answer(self.endpoint, &b, head.span) {
                 Some(usage) => (b, Some(usage)),
                 None => {
                     // A 2xx that is not the answer (an HTML page, empty, a 204): fail over.
@@ -661,7 +640,7 @@ impl Call<'_> {
                 }
             },
             Ok(Some(t)) => {
-                retype(&mut headers, "application/json");
+                retype(&mut head.headers, "application/json");
                 (t, None)
             }
             Err(e) => {
@@ -670,17 +649,124 @@ impl Call<'_> {
                 return failure(FailureClass::Server, Some(status.as_u16()), None);
             }
         };
-        CallResult::Served(Box::new(UpstreamResponse {
-            status,
-            headers,
-            body: UpBody::Buffered(body),
-            deadline,
-            wire,
+        let mut answer = head.answer(UpBody::Buffered(body), None, None);
+        answer.usage = usage;
+        CallResult::Served(Box::new(answer))
+    }
+}
+
+/// How an upstream's status is taken.
+enum Verdict {
+    /// A 2xx: the answer, to be checked and read.
+    Answer,
+    /// A client error the upstream owns (400, 404, 422...): passed on, never retried.
+    ClientError,
+    /// The backend's failure: retried, failed over or counted against its circuit.
+    Failed(FailureClass),
+}
+
+impl Verdict {
+    fn of(status: StatusCode) -> Verdict {
+        match status.as_u16() {
+            200..=299 => Verdict::Answer,
+            // A redirect is never followed nor passed on: the upstream URL comes only from
+            // the policy, and a 3xx is not an answer.
+            300..=399 => Verdict::Failed(FailureClass::Server),
+            429 => Verdict::Failed(FailureClass::Throttled),
+            401 | 403 => Verdict::Failed(FailureClass::Auth),
+            // 529 is Anthropic's overloaded_error.
+            408 | 500..=599 => Verdict::Failed(FailureClass::Server),
+            _ => Verdict::ClientError,
+        }
+    }
+}
+
+/// An upstream answer's head and what it is read against: who answered, how the sidecar
+/// spoke to it, until when. Carried whole between the steps of [`Call::attempt_inner`] so
+/// each step takes one value, not seven.
+struct Head<'s> {
+    backend: &'s Backend,
+    provider: Adapter,
+    wire: Wire,
+    deadline: Instant,
+    span: Option<crate::telemetry::otel::Attempt>,
+    status: StatusCode,
+    headers: HeaderMap,
+}
+
+impl Head<'_> {
+    /// The answer for the governor: this head over `body`.
+    fn answer(
+        self,
+        body: UpBody,
+        translate: Option<Translator>,
+        permit: Option<InFlight>,
+    ) -> UpstreamResponse {
+        UpstreamResponse {
+            status: self.status,
+            headers: self.headers,
+            body,
+            deadline: self.deadline,
+            wire: self.wire,
             internal: None,
-            usage,
-            translate: None,
-            permit: None,
-        }))
+            usage: None,
+            translate,
+            permit,
+        }
+    }
+
+    /// A client error, read whole and passed on: in OpenAI's error shape when translated,
+    /// in the upstream's own when passed through (the client speaks it).
+    async fn client_error(mut self, incoming: AnswerBody) -> CallResult<Box<UpstreamResponse>> {
+        let status = self.status.as_u16();
+        let b = match read_body(incoming, self.deadline, MAX_UPSTREAM_BODY).await {
+            Ok(b) => b,
+            Err(class) => return failure(class, Some(status), None),
+        };
+        let translated = match self.wire {
+            Wire::Translated => self.provider.error_body(status, &b),
+            Wire::PassThrough => None,
+        };
+        let body = match translated {
+            Some(t) => {
+                retype(&mut self.headers, "application/json");
+                t
+            }
+            None => b,
+        };
+        CallResult::NotRetryable {
+            payload: Box::new(self.answer(UpBody::Buffered(body), None, None)),
+            status,
+        }
+    }
+
+    /// The backend's failure, with the delay it asks for: only failures look for one
+    /// (providers send rate-limit headers on every answer), in the headers and, for Gemini
+    /// (RetryInfo), in the body, read bounded.
+    async fn failed(
+        self,
+        class: FailureClass,
+        incoming: AnswerBody,
+    ) -> CallResult<Box<UpstreamResponse>> {
+        let status = self.status.as_u16();
+        let now_ms = jiff::Timestamp::now().as_millisecond();
+        let header_delay = self.provider.header_delay(&self.headers, now_ms);
+        let hint = match read_body(incoming, self.deadline, MAX_ERROR_BODY).await {
+            Ok(b) => self.provider.error_hint(status, &b, now_ms),
+            Err(_) => ErrorHint::default(),
+        };
+        let retry_after_ms = if hint.long_outage {
+            hint.delay_ms.max(header_delay)
+        } else {
+            header_delay.or(hint.delay_ms)
+        };
+        CallResult::Failed(Failure {
+            class,
+            status: Some(status),
+            retry_after_ms,
+            long_outage: hint.long_outage,
+            billed: false,
+        })
     }
 }
 

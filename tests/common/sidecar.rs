@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use tollgate::audit::Audit;
 use tollgate::estimate::Tokenizer;
 use tollgate::ledger::CounterKey;
-use tollgate::proxy::Snapshot;
+use tollgate::proxy::{AppClock, ManualClock, Snapshot};
 use tollgate::sidecar::{self, Options, Running};
 use tollgate::units::Amount;
 
@@ -18,6 +18,8 @@ pub struct Sidecar {
     pub running: Running,
     pub base: String,
     pub audit_path: PathBuf,
+    /// Set by [`Sidecar::start_manual_clock`]: the governor's time, moved by hand.
+    clock: Option<&'static ManualClock>,
     _dir: tempfile::TempDir,
     /// The state `start_shared` opened, finished at `stop` as `tollgate serve` does.
     state: Option<tollgate::proxy::persist::State>,
@@ -37,13 +39,30 @@ impl Sidecar {
         let dir = tempfile::tempdir().expect("tempdir");
         let audit_path = dir.path().join("audit.jsonl");
         let (audit, _writer) = Audit::jsonl(audit_path.clone(), 4096).expect("audit");
-        Sidecar::start_inner(yaml, audit, dir, Some(workers)).await
+        Sidecar::start_inner(yaml, audit, dir, Some(workers), None).await
+    }
+
+    /// A sidecar whose governor reads a [`ManualClock`]: [`Sidecar::advance`] moves it past a
+    /// circuit's recovery or a lease at once, where a test would otherwise sleep through it.
+    pub async fn start_manual_clock(yaml: &str) -> Sidecar {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let audit_path = dir.path().join("audit.jsonl");
+        let (audit, _writer) = Audit::jsonl(audit_path.clone(), 4096).expect("audit");
+        let clock = ManualClock::leaked();
+        Sidecar::start_inner(yaml, audit, dir, None, Some(clock)).await
+    }
+
+    /// Moves the governor's clock `by` ahead (a sidecar from [`Sidecar::start_manual_clock`]).
+    pub fn advance(&self, by: Duration) {
+        self.clock
+            .expect("advance needs Sidecar::start_manual_clock")
+            .advance(by);
     }
 
     /// A sidecar writing to the given audit (any sink); `dir` is kept alive with it and
     /// `audit_path` points at `dir/audit.jsonl` (empty unless the audit writes there).
     pub async fn start_with_audit(yaml: &str, audit: Audit, dir: tempfile::TempDir) -> Sidecar {
-        Sidecar::start_inner(yaml, audit, dir, None).await
+        Sidecar::start_inner(yaml, audit, dir, None, None).await
     }
 
     async fn start_inner(
@@ -51,12 +70,16 @@ impl Sidecar {
         audit: Audit,
         dir: tempfile::TempDir,
         workers: Option<usize>,
+        clock: Option<&'static ManualClock>,
     ) -> Sidecar {
         let policy = tollgate::policy::from_str(yaml, "test.yaml")
             .unwrap_or_else(|e| panic!("policy: {e}\n{yaml}"));
         let snap = Snapshot::build(policy).expect("snapshot");
         let audit_path = dir.path().join("audit.jsonl");
-        let running = sidecar::start(
+        let governor = Arc::new(tollgate::governor::Governor::new(Arc::new(
+            tollgate::ledger::Ledger::new(),
+        )));
+        let running = sidecar::start_clocked(
             snap,
             audit,
             Options {
@@ -64,6 +87,8 @@ impl Sidecar {
                 admin_listen: Some("127.0.0.1:0".parse().unwrap()),
                 workers,
             },
+            governor,
+            clock.map_or(AppClock::SYSTEM, AppClock::manual),
         )
         .await
         .expect("start sidecar");
@@ -72,6 +97,7 @@ impl Sidecar {
             running,
             base,
             audit_path,
+            clock,
             _dir: dir,
             state: None,
         }
@@ -114,6 +140,7 @@ impl Sidecar {
             running,
             base,
             audit_path,
+            clock: None,
             _dir: dir,
             state: Some(state),
         }

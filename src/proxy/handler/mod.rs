@@ -36,6 +36,9 @@ pub struct App {
     pub governor: Arc<Governor>,
     pub transport: Transport,
     pub audit: Audit,
+    /// The governor's time (circuits, leases, waits) and the sweep's: the wall clock, or a
+    /// test's [`super::ManualClock`].
+    pub clock: super::AppClock,
 }
 
 impl std::fmt::Debug for App {

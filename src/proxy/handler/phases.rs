@@ -15,7 +15,7 @@ use super::{after, body, endpoint_name, local_json, usage, App, Origin};
 use crate::body::ReqBody;
 use crate::dialect::{self, render::Meta, Dialect, Inbound, Op};
 use crate::estimate::{self, Endpoint, Estimate};
-use crate::governor::{Outcome, Pending, Record, RequestCtx, Served, SystemClock};
+use crate::governor::{Outcome, Pending, Record, RequestCtx, Served};
 use crate::policy::{Policy, Route};
 use crate::providers::{self, NativeFormat, RequestBody, Wire};
 use crate::units::usd_to_micros;
@@ -321,7 +321,7 @@ impl<'a> Ctx<'a> {
         };
         let Outcome { record, served } = app
             .governor
-            .govern(policy, route, &ctx, &call, &SystemClock)
+            .govern(policy, route, &ctx, &call, &app.clock)
             .await;
         self.rec = record;
         (served, est)
